@@ -1,0 +1,139 @@
+"""mlarope: fused, race-free, deterministic rotary position embedding for MLA (DeepSeek-V2/V3).
+
+Public API (see DESIGN.md and docs/):
+
+- :class:`YarnConfig`: RoPE / YaRN tables, exact to fp32 rounding;
+- :func:`apply_rope_q`: rotate the rope tail of queries ``[..., H, N + R]``;
+- :func:`apply_rope_kv`: split ``kv`` and attach the rotated shared ``k_pe`` to every head;
+- :mod:`mlarope.reference`: the same semantics in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks, reference
+from .ops import RopeKVFunction, RopeQFunction, rope_kv_impl, rope_q_impl, rope_q_inplace_impl
+from .yarn import YarnConfig
+
+__all__ = ["YarnConfig", "__version__", "apply_rope_kv", "apply_rope_q", "reference"]
+__version__ = "0.1.0"
+
+
+def _needs_autograd(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def apply_rope_q(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    layout: str = "sbhd",
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    interleaved: bool = True,
+    interleaved_out: bool = False,
+    inverse: bool = False,
+    inplace: bool = False,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Rotate the rope channels of the queries (MLA query op).
+
+    Args:
+        q: ``[S, B, H, N + R]`` (sbhd), ``[B, S, H, N + R]`` (bshd) or ``[T, H, N + R]`` (thd);
+            last dim contiguous, any strides elsewhere. The rope channels are ``q[..., N:]``.
+        cos, sin: ``[P, R]`` tables (singleton dims such as ``[P, 1, 1, R]`` accepted), fp32
+            preferred; ``R`` in (32, 64, 128).
+        layout: ``"sbhd"``, ``"bshd"`` or ``"thd"``.
+        cu_seqlens: ``[n + 1]`` int32/int64 (thd only): token ``t`` of sequence ``i`` has position
+            ``t - cu_seqlens[i]``; tokens at or past ``cu_seqlens[-1]`` are padding (unrotated).
+            Under context parallelism these are the global lengths.
+        position_ids: int tensor of the token dims (or broadcastable to them).
+        cp_rank, cp_size: context parallel rank and size (load-balanced split: rank ``r`` holds
+            chunks ``r`` and ``2 * cp_size - 1 - r`` of every sequence).
+        interleaved: input pairs are ``(x[2j], x[2j+1])`` (True) or ``(x[j], x[half+j])``.
+        interleaved_out: write the pairs interleaved (True) or half-split (False, default).
+        inverse: rotate by the opposite angle.
+        inplace: overwrite the rope channels of ``q`` and return ``q`` (declared to autograd).
+        validate: check device data (positions against the table, ``cu_seqlens`` well formed),
+            raising ``ValueError``; costs a device sync. Also on with ``MLAROPE_VALIDATE=1``.
+            Without it an out-of-range row comes out as NaN.
+
+    Returns:
+        ``[..., H, N + R]``: a new tensor, or ``q`` itself when ``inplace``.
+    """
+    q, cos2d, sin2d, positions = _checks.check_q_call(
+        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+        interleaved, interleaved_out, inverse,
+    )  # fmt: skip
+    _checks.check_bool("inplace", inplace)
+    if _checks.validation_requested(validate):
+        _checks.check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])
+    args = (
+        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, positions.layout,
+        positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse,
+    )  # fmt: skip
+    if _needs_autograd(q) or torch.compiler.is_compiling():
+        return RopeQFunction.apply(q, *args, inplace)
+    if inplace:
+        rope_q_inplace_impl(q, *args, False)
+        torch.autograd.graph.increment_version(q)
+        return q
+    return rope_q_impl(q, *args, False)
+
+
+def apply_rope_kv(
+    kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    k_dim: int,
+    layout: str = "sbhd",
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    interleaved: bool = True,
+    interleaved_out: bool = False,
+    copy_v: bool = True,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``kv`` and attach the rotated shared positional key to every head (MLA kv op).
+
+    Args:
+        kv: ``[..., H, K + V]`` in the layout's token dims (see :func:`apply_rope_q`).
+        k_pe: ``[..., 1, R]`` or ``[..., R]``, the positional key shared by all heads; same
+            dtype, device and token dims as ``kv``.
+        cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+            interleaved_out, validate: as in :func:`apply_rope_q` (interleaving refers to
+            ``k_pe``).
+        k_dim: ``K``, the non-positional key channels at the front of ``kv``.
+        copy_v: return ``v`` as a new contiguous tensor (True) or as the strided view
+            ``kv[..., K:]`` (False), which saves writing ``V`` channels per head.
+
+    Returns:
+        ``k: [..., H, K + R]`` (``kv[..., :K]`` then the rotated ``k_pe``) and ``v: [..., H, V]``.
+    """
+    kv, k_pe, k_dim, cos2d, sin2d, positions = _checks.check_kv_call(
+        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+        interleaved, interleaved_out,
+    )  # fmt: skip
+    _checks.check_bool("copy_v", copy_v)
+    if _checks.validation_requested(validate):
+        _checks.check_positions_on_device(positions, _n_tokens(kv), cos2d.shape[0])
+    args = (
+        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, positions.layout,
+        positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v,
+    )  # fmt: skip
+    if _needs_autograd(kv, k_pe) or torch.compiler.is_compiling():
+        return RopeKVFunction.apply(kv, k_pe, *args)
+    k, v = rope_kv_impl(kv, k_pe, *args)
+    return k, (v if copy_v else kv[..., k_dim:])
+
+
+def _n_tokens(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() == 3 else x.shape[0] * x.shape[1]

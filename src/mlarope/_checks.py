@@ -1,0 +1,371 @@
+"""Host-side validation: every public entry point calls this module and nothing else checks.
+
+Everything that can be checked without reading device data is checked on every call, with a
+``ValueError``/``TypeError`` that names the argument, the value and what was expected. Checks
+that need device data (values inside ``cu_seqlens`` and ``position_ids``) live in
+:func:`check_positions_on_device`, run only when validation is asked for, since they sync.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("sbhd", "bshd", "thd")
+ROPE_DIMS = (32, 64, 128)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Where each token's position comes from, normalised for the kernels and the reference.
+
+    ``position_ids`` is already broadcast to the token dims (a view, possibly stride 0).
+    """
+
+    layout: str
+    cu_seqlens: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    cp_rank: int
+    cp_size: int
+
+
+def _fail_type(name: str, value: object, expected: str) -> TypeError:
+    return TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _fail_type(name, value, "a bool")
+    return value
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail_type(name, value, "an int")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise _fail_type(name, value, "a torch.Tensor")
+    return value
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_float_tensor(name: str, t: object) -> torch.Tensor:
+    t = check_tensor(name, t)
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float32, float16, bfloat16 or float64, got dtype {t.dtype}"
+        )
+    return t
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dim (stride(-1) == 1), got strides "
+            f"{tuple(t.stride())} for shape {tuple(t.shape)}; call .contiguous() first"
+        )
+
+
+def check_layout(layout: object) -> str:
+    if not isinstance(layout, str):
+        raise _fail_type("layout", layout, "a str")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def check_tables(
+    cos: object, sin: object, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``cos, sin: [P, R]`` (singleton dims between allowed) -> two [P, R] views."""
+    cos = check_float_tensor("cos", cos)
+    sin = check_float_tensor("sin", sin)
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if cos.dtype != sin.dtype:
+        raise TypeError(f"cos and sin must share a dtype, got {cos.dtype} and {sin.dtype}")
+    if cos.dim() < 2 or any(s != 1 for s in cos.shape[1:-1]):
+        raise ValueError(
+            f"cos must be [P, R] (singleton dims between allowed, e.g. [P, 1, 1, R]), "
+            f"got shape {tuple(cos.shape)}"
+        )
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.device != device:
+            raise ValueError(f"{name} must be on the input's device {device}, got {t.device}")
+        check_last_dim_contiguous(name, t)
+    rope_dim = cos.shape[-1]
+    if rope_dim not in ROPE_DIMS:
+        raise ValueError(
+            f"rope dim R = cos.shape[-1] must be one of {ROPE_DIMS}, got {rope_dim} "
+            f"(cos shape {tuple(cos.shape)})"
+        )
+    if cos.shape[0] < 1:
+        raise ValueError(f"cos must have at least one row (position), got shape {tuple(cos.shape)}")
+    return cos.reshape(cos.shape[0], rope_dim), sin.reshape(sin.shape[0], rope_dim)
+
+
+def token_dims(layout: str) -> int:
+    return 1 if layout == "thd" else 2
+
+
+def check_activation(name: str, x: object, layout: str) -> torch.Tensor:
+    """``x: [S, B, H, D]`` (sbhd), ``[B, S, H, D]`` (bshd) or ``[T, H, D]`` (thd)."""
+    x = check_float_tensor(name, x)
+    want = token_dims(layout) + 2
+    if x.dim() != want:
+        shape = (
+            "[T, H, D]" if layout == "thd" else f"[{layout[0].upper()}, {layout[1].upper()}, H, D]"
+        )
+        raise ValueError(
+            f"{name} must be {want}-D {shape} for layout={layout!r}, got shape {tuple(x.shape)}"
+        )
+    check_last_dim_contiguous(name, x)
+    return x
+
+
+def check_positions(
+    x: torch.Tensor,
+    table_rows: int,
+    *,
+    layout: str,
+    cu_seqlens: object,
+    position_ids: object,
+    cp_rank: object,
+    cp_size: object,
+) -> Positions:
+    """Check the position source against ``x``'s token dims and the table length."""
+    cp_size = check_int("cp_size", cp_size, minimum=1)
+    cp_rank = check_int("cp_rank", cp_rank, minimum=0)
+    if cp_rank >= cp_size:
+        raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
+    tokens = tuple(x.shape[: token_dims(layout)])
+
+    if cu_seqlens is not None:
+        cu_seqlens = check_tensor("cu_seqlens", cu_seqlens)
+        if layout != "thd":
+            raise ValueError(f"cu_seqlens is only valid with layout='thd', got layout={layout!r}")
+        if position_ids is not None:
+            raise ValueError("give either cu_seqlens or position_ids, not both")
+        if cu_seqlens.dtype not in INDEX_DTYPES:
+            raise TypeError(f"cu_seqlens must be int32 or int64, got dtype {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+            raise ValueError(
+                f"cu_seqlens must be 1-D [n + 1] with n >= 0, got shape {tuple(cu_seqlens.shape)}"
+            )
+        if cu_seqlens.device != x.device:
+            raise ValueError(
+                f"cu_seqlens must be on the input's device {x.device}, got {cu_seqlens.device}"
+            )
+        if cu_seqlens.stride(0) != 1 and cu_seqlens.shape[0] > 1:
+            cu_seqlens = cu_seqlens.contiguous()
+
+    if position_ids is not None:
+        position_ids = check_tensor("position_ids", position_ids)
+        if position_ids.dtype not in INDEX_DTYPES:
+            raise TypeError(f"position_ids must be int32 or int64, got dtype {position_ids.dtype}")
+        if position_ids.device != x.device:
+            raise ValueError(
+                f"position_ids must be on the input's device {x.device}, got {position_ids.device}"
+            )
+        if cp_size != 1:
+            raise ValueError(
+                f"position_ids are global positions already; they cannot be combined with "
+                f"cp_size={cp_size} (pass cp_size=1)"
+            )
+        try:
+            if torch.broadcast_shapes(tuple(position_ids.shape), tokens) != tokens:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(
+                f"position_ids must match the token dims {tokens} of layout={layout!r} "
+                f"(or broadcast to them), got shape {tuple(position_ids.shape)}"
+            ) from None
+        position_ids = position_ids.expand(tokens)
+
+    if cu_seqlens is None and position_ids is None:
+        seq_len = tokens[1] if layout == "bshd" else tokens[0]
+        if cp_size > 1 and seq_len % 2 != 0:
+            raise ValueError(
+                f"with cp_size={cp_size} each rank holds two equal chunks of the sequence, so the "
+                f"local sequence length must be even, got {seq_len}"
+            )
+        if seq_len * cp_size > table_rows:
+            raise ValueError(
+                f"the table has {table_rows} positions (cos.shape[0]) but the sequence needs "
+                f"{seq_len * cp_size} (local length {seq_len} x cp_size {cp_size})"
+            )
+    return Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
+
+
+def validation_requested(validate: object) -> bool:
+    check_bool("validate", validate)
+    return validate or os.environ.get("MLAROPE_VALIDATE", "0") not in ("", "0")
+
+
+def check_positions_on_device(positions: Positions, n_tokens: int, table_rows: int) -> None:
+    """The checks that read device data (one sync): positions in range, cu_seqlens well formed."""
+    from .positions import token_positions
+
+    cu = positions.cu_seqlens
+    cp = positions.cp_size
+    if cu is not None:
+        cu_host = cu.detach().cpu().tolist()
+        if cu_host[0] != 0:
+            raise ValueError(f"cu_seqlens[0] must be 0, got {cu_host[0]}")
+        for i in range(1, len(cu_host)):
+            if cu_host[i] < cu_host[i - 1]:
+                raise ValueError(
+                    f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}] = {cu_host[i]} < "
+                    f"cu_seqlens[{i - 1}] = {cu_host[i - 1]}"
+                )
+            length = cu_host[i] - cu_host[i - 1]
+            if length % (2 * cp) != 0 and cp > 1:
+                raise ValueError(
+                    f"with cp_size={cp} every sequence length must be a multiple of "
+                    f"2*cp_size={2 * cp}, got sequence {i - 1} of length {length}"
+                )
+            if length > table_rows:
+                raise ValueError(
+                    f"sequence {i - 1} has length {length} but the table has only {table_rows} "
+                    f"positions (cos.shape[0])"
+                )
+        if cu_host[-1] // cp > n_tokens:
+            raise ValueError(
+                f"cu_seqlens[-1] = {cu_host[-1]} (local {cu_host[-1] // cp} with cp_size={cp}) is "
+                f"more than the {n_tokens} tokens of the input"
+            )
+    if positions.position_ids is not None:
+        pos, _ = token_positions(
+            positions, positions.position_ids.shape, positions.position_ids.device
+        )
+        bad = (pos < 0) | (pos >= table_rows)
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0].tolist())
+            raise ValueError(
+                f"position_ids{list(index)} = {int(pos[index])} is outside the table "
+                f"[0, {table_rows}) (cos.shape[0] = {table_rows})"
+            )
+
+
+def check_kv_inputs(
+    kv: object, k_pe: object, k_dim: object, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``kv: [..., H, K + V]``, ``k_pe: [..., 1, R]`` or ``[..., R]`` -> (kv, k_pe [..., R], K)."""
+    kv = check_activation("kv", kv, layout)
+    k_pe = check_float_tensor("k_pe", k_pe)
+    k_dim = check_int("k_dim", k_dim, minimum=1)
+    if k_dim >= kv.shape[-1]:
+        raise ValueError(
+            f"k_dim must be less than kv.shape[-1] = {kv.shape[-1]} (kv holds K + V channels, "
+            f"V >= 1), got k_dim={k_dim}"
+        )
+    if k_pe.dtype != kv.dtype:
+        raise TypeError(f"k_pe and kv must share a dtype, got {k_pe.dtype} and {kv.dtype}")
+    if k_pe.device != kv.device:
+        raise ValueError(f"k_pe must be on kv's device {kv.device}, got {k_pe.device}")
+    tokens = tuple(kv.shape[:-2])
+    if k_pe.dim() == len(tokens) + 2:
+        if k_pe.shape[-2] != 1:
+            raise ValueError(
+                f"k_pe must be [..., 1, R] or [..., R] (shared by all heads), got shape "
+                f"{tuple(k_pe.shape)}"
+            )
+        k_pe = k_pe.squeeze(-2)
+    if k_pe.dim() != len(tokens) + 1 or tuple(k_pe.shape[:-1]) != tokens:
+        raise ValueError(
+            f"k_pe must have kv's token dims {tokens} then [1, R] or [R], got shape "
+            f"{tuple(k_pe.shape)} (kv shape {tuple(kv.shape)})"
+        )
+    check_last_dim_contiguous("k_pe", k_pe)
+    return kv, k_pe, k_dim
+
+
+def check_rope_width(name: str, channels: int, rope_dim: int) -> int:
+    """``N = channels - R`` must be >= 0 (the rope channels are the tail)."""
+    if channels < rope_dim:
+        raise ValueError(
+            f"{name}.shape[-1] = {channels} is smaller than the rope dim R = {rope_dim} "
+            f"(cos.shape[-1]); {name} must be [..., H, N + R]"
+        )
+    return channels - rope_dim
+
+
+def check_same_rope_dim(name: str, t: torch.Tensor, rope_dim: int) -> None:
+    if t.shape[-1] != rope_dim:
+        raise ValueError(
+            f"{name}.shape[-1] must equal the rope dim R = cos.shape[-1] = {rope_dim}, got "
+            f"{t.shape[-1]} ({_describe(t)})"
+        )
+
+
+def check_q_call(
+    q: object,
+    cos: object,
+    sin: object,
+    layout: object,
+    cu_seqlens: object,
+    position_ids: object,
+    cp_rank: object,
+    cp_size: object,
+    interleaved: object,
+    interleaved_out: object,
+    inverse: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Positions]:
+    """All host-side checks of a query-op call -> (q, cos [P, R], sin [P, R], positions)."""
+    layout = check_layout(layout)
+    q = check_activation("q", q, layout)
+    cos2d, sin2d = check_tables(cos, sin, q.device)
+    check_rope_width("q", q.shape[-1], cos2d.shape[-1])
+    for name, flag in (
+        ("interleaved", interleaved),
+        ("interleaved_out", interleaved_out),
+        ("inverse", inverse),
+    ):
+        check_bool(name, flag)
+    positions = check_positions(
+        q, cos2d.shape[0], layout=layout, cu_seqlens=cu_seqlens, position_ids=position_ids,
+        cp_rank=cp_rank, cp_size=cp_size,
+    )  # fmt: skip
+    return q, cos2d, sin2d, positions
+
+
+def check_kv_call(
+    kv: object,
+    k_pe: object,
+    cos: object,
+    sin: object,
+    k_dim: object,
+    layout: object,
+    cu_seqlens: object,
+    position_ids: object,
+    cp_rank: object,
+    cp_size: object,
+    interleaved: object,
+    interleaved_out: object,
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, Positions]:
+    """All host-side checks of a key/value-op call -> (kv, k_pe [..., R], K, cos, sin, pos)."""
+    layout = check_layout(layout)
+    kv, k_pe, k_dim = check_kv_inputs(kv, k_pe, k_dim, layout)
+    cos2d, sin2d = check_tables(cos, sin, kv.device)
+    check_same_rope_dim("k_pe", k_pe, cos2d.shape[-1])
+    check_bool("interleaved", interleaved)
+    check_bool("interleaved_out", interleaved_out)
+    positions = check_positions(
+        kv, cos2d.shape[0], layout=layout, cu_seqlens=cu_seqlens, position_ids=position_ids,
+        cp_rank=cp_rank, cp_size=cp_size,
+    )  # fmt: skip
+    return kv, k_pe, k_dim, cos2d, sin2d, positions

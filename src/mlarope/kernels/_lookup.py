@@ -1,0 +1,125 @@
+"""In-kernel position lookup and table rows, shared by the query and key/value kernels.
+
+Computes, for a block of token indices, the same ``(pos, is_padding)`` as
+:func:`mlarope.positions.token_positions`, in O(1) per token (sequence index, explicit ids) or
+O(log n) (a binary search in ``cu_seqlens``), never a scan over all sequences.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Position sources (constexpr POS_MODE).
+SEQ_DIM0 = 0  # sbhd, or thd without cu_seqlens: position = index along token dim 0
+SEQ_DIM1 = 1  # bshd: position = index along token dim 1
+CU_SEQLENS = 2  # thd with cu_seqlens: binary search
+POSITION_IDS = 3  # explicit ids, read with their strides
+
+
+@triton.jit
+def _global_position(local, local_len, cp_rank, cp_size):
+    """Offset in a rank's local sequence -> global position (load-balanced context parallel)."""
+    chunk = local_len // 2
+    first = cp_rank * chunk + local
+    second = (2 * cp_size - 1 - cp_rank) * chunk + (local - chunk)
+    return tl.where(local < chunk, first, second)
+
+
+@triton.jit
+def token_positions(
+    t,  # [BLOCK_T] int64 flat token indices (i0 * D1 + i1)
+    i0,  # [BLOCK_T] int64 index along token dim 0
+    i1,  # [BLOCK_T] int64 index along token dim 1 (0 for thd)
+    t_mask,
+    cu_ptr,  # cu_seqlens [n + 1] (CU_SEQLENS only)
+    ids_ptr,  # position_ids (POSITION_IDS only)
+    stride_id0,
+    stride_id1,
+    n_seqs,  # n (CU_SEQLENS), or the local sequence length (SEQ_DIM0 / SEQ_DIM1)
+    search_steps,  # ceil(log2(n)) (CU_SEQLENS)
+    cp_rank,
+    cp_size,
+    POS_MODE: tl.constexpr,
+):
+    """Return ``(pos, is_padding)`` for a block of tokens; ``pos`` is int64, maybe out of range."""
+    is_padding = t < 0  # all False, right shape
+    if POS_MODE == 0:
+        pos = _global_position(i0, n_seqs, cp_rank, cp_size)
+    elif POS_MODE == 1:
+        pos = _global_position(i1, n_seqs, cp_rank, cp_size)
+    elif POS_MODE == 2:
+        # cu_local = cu_seqlens // cp_size; the search keeps cu_local[lo] <= t < cu_local[hi].
+        total = tl.load(cu_ptr + n_seqs).to(tl.int64) // cp_size
+        is_padding = t >= total
+        lo = tl.zeros_like(t)
+        hi = tl.zeros_like(t) + n_seqs
+        for _ in range(search_steps):
+            mid = (lo + hi) // 2
+            start = tl.load(cu_ptr + mid, mask=t_mask, other=0).to(tl.int64) // cp_size
+            right = start <= t
+            lo = tl.where(right, mid, lo)
+            hi = tl.where(right, hi, mid)
+        start = tl.load(cu_ptr + lo, mask=t_mask, other=0).to(tl.int64) // cp_size
+        end = tl.load(cu_ptr + lo + 1, mask=t_mask & (n_seqs > 0), other=0).to(tl.int64)
+        pos = _global_position(t - start, end // cp_size - start, cp_rank, cp_size)
+    else:
+        pos = tl.load(ids_ptr + i0 * stride_id0 + i1 * stride_id1, mask=t_mask, other=0)
+        pos = pos.to(tl.int64)
+    return pos, is_padding
+
+
+@triton.jit
+def load_table_halves(cos_ptr, sin_ptr, pos, use_row, stride_table, j, HALF: tl.constexpr):
+    """Rows ``cos[pos], sin[pos]`` split in halves, fp32 ``[BLOCK_T, HALF]`` each.
+
+    ``use_row`` masks rows that must not be read (padding, out of range, masked tokens).
+    """
+    row = tl.where(use_row, pos, 0)[:, None] * stride_table
+    m = use_row[:, None]
+    c_a = tl.load(cos_ptr + row + j[None, :], mask=m, other=1.0).to(tl.float32)
+    c_b = tl.load(cos_ptr + row + HALF + j[None, :], mask=m, other=1.0).to(tl.float32)
+    s_a = tl.load(sin_ptr + row + j[None, :], mask=m, other=0.0).to(tl.float32)
+    s_b = tl.load(sin_ptr + row + HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
+    return c_a, c_b, s_a, s_b
+
+
+@triton.jit
+def rotate(
+    a,
+    b,
+    c_a,
+    c_b,
+    s_a,
+    s_b,
+    is_padding,
+    out_of_range,
+    INVERSE: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+):
+    """The pair rotation in fp32 (``a, b: [BLOCK_T, BLOCK_H, HALF]``, tables broadcast to them).
+
+    Forward ``out_a = a*c_a - b*s_a``, ``out_b = b*c_b + a*s_b``; ``TRANSPOSE`` is the backward
+    (``s_a -> -s_b``, ``s_b -> -s_a``); ``INVERSE`` negates the angle. Padding passes through,
+    out-of-range rows become NaN.
+    """
+    if TRANSPOSE:
+        s_a, s_b = -s_b, -s_a
+    if INVERSE:
+        s_a, s_b = -s_a, -s_b
+    out_a = a * c_a - b * s_a
+    out_b = b * c_b + a * s_b
+    out_a = tl.where(is_padding, a, out_a)
+    out_b = tl.where(is_padding, b, out_b)
+    out_a = tl.where(out_of_range, float("nan"), out_a)
+    out_b = tl.where(out_of_range, float("nan"), out_b)
+    return out_a, out_b
+
+
+def search_steps(n_seqs: int) -> int:
+    """Iterations of the binary search over ``n_seqs`` sequences: ceil(log2(n))."""
+    return max(n_seqs - 1, 0).bit_length()
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))

@@ -1,0 +1,310 @@
+"""Triton kernels and launchers for the key/value op.
+
+Forward: one program owns ``BLOCK_T`` tokens x ``BLOCK_H`` heads. It rotates the tokens' shared
+``k_pe`` once (fp32, one rounding), writes it into every head's ``k[..., K:]``, and copies
+``kv[..., :K]`` into ``k`` and (``COPY_V``) ``kv[..., K:]`` into ``v``.
+
+Backward: one program owns ``BLOCK_T`` tokens and *all* heads, so the sum over heads of
+``dk[..., K:]`` never leaves the program: it is accumulated in fp32 head after head
+(``((g_0 + g_1) + g_2) + ...``, the same order whatever the block sizes), transpose-rotated and
+rounded once. No atomics, bitwise deterministic. The same program writes ``dkv``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import Positions
+from ._lookup import load_table_halves, next_power_of_2, rotate, token_positions
+from .q import as_4d, position_args
+
+
+@triton.jit
+def _copy_channels(src_ptr, dst_ptr, src_row, dst_row, m_row, n_channels, BLOCK_C: tl.constexpr):
+    """Copy ``n_channels`` channels of a ``[BLOCK_T, BLOCK_H]`` block of rows."""
+    for c0 in range(0, n_channels, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)[None, None, :]
+        m = m_row & (c < n_channels)
+        tl.store(dst_ptr + dst_row + c, tl.load(src_ptr + src_row + c, mask=m), mask=m)
+
+
+@triton.jit
+def _rope_kv_fwd_kernel(
+    kv_ptr,  # [D0, D1, H, K + V]
+    kpe_ptr,  # [D0, D1, R]
+    k_ptr,  # [D0, D1, H, K + R]
+    v_ptr,  # [D0, D1, H, V] (COPY_V)
+    cos_ptr, sin_ptr, cu_ptr, ids_ptr,
+    n_tokens, D1, n_heads, k_dim, v_dim, n_rows,
+    stride_kv0, stride_kv1, stride_kvh,
+    stride_pe0, stride_pe1,
+    stride_k0, stride_k1, stride_kh,
+    stride_v0, stride_v1, stride_vh,
+    stride_table, stride_id0, stride_id1, n_seqs, steps, cp_rank, cp_size,
+    POS_MODE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    INTERLEAVED_IN: tl.constexpr,
+    INTERLEAVED_OUT: tl.constexpr,
+    COPY_V: tl.constexpr,
+):  # fmt: skip
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    o_h = (i_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    m_t = o_t < n_tokens
+    m_h = o_h < n_heads
+    i0 = o_t // D1
+    i1 = o_t % D1
+    pos, is_padding = token_positions(
+        o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
+        cp_rank, cp_size, POS_MODE,
+    )  # fmt: skip
+    in_range = (pos >= 0) & (pos < n_rows)
+    j = tl.arange(0, HALF)
+    c_a, c_b, s_a, s_b = load_table_halves(
+        cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
+    )
+
+    pe_row = (i0 * stride_pe0 + i1 * stride_pe1)[:, None]
+    if INTERLEAVED_IN:
+        k2 = tl.arange(0, 2 * HALF)[None, :]
+        x = tl.load(kpe_ptr + pe_row + k2, mask=m_t[:, None] & (k2 < 2 * HALF), other=0.0)
+        a, b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_T, HALF, 2)))
+    else:
+        m_pe = m_t[:, None] & (j[None, :] < HALF)
+        a = tl.load(kpe_ptr + pe_row + j[None, :], mask=m_pe, other=0.0).to(tl.float32)
+        b = tl.load(kpe_ptr + pe_row + HALF + j[None, :], mask=m_pe, other=0.0).to(tl.float32)
+    out_a, out_b = rotate(
+        a, b, c_a, c_b, s_a, s_b, is_padding[:, None], (~in_range & ~is_padding)[:, None],
+        False, False,
+    )  # fmt: skip
+    out_a = out_a.to(k_ptr.dtype.element_ty)
+    out_b = out_b.to(k_ptr.dtype.element_ty)
+
+    kv_row = (i0 * stride_kv0 + i1 * stride_kv1)[:, None, None] + (o_h * stride_kvh)[None, :, None]
+    k_row = (i0 * stride_k0 + i1 * stride_k1)[:, None, None] + (o_h * stride_kh)[None, :, None]
+    m_row = m_t[:, None, None] & m_h[None, :, None]
+    if INTERLEAVED_OUT:
+        k2 = tl.arange(0, 2 * HALF)[None, None, :]
+        pairs = tl.reshape(tl.join(out_a, out_b), (BLOCK_T, 1, 2 * HALF))
+        pairs = tl.broadcast_to(pairs, (BLOCK_T, BLOCK_H, 2 * HALF))
+        tl.store(k_ptr + k_row + k_dim + k2, pairs, mask=m_row & (k2 < 2 * HALF))
+    else:
+        jj = j[None, None, :]
+        m_pair = m_row & (jj < HALF)
+        k_a = tl.broadcast_to(out_a[:, None, :], (BLOCK_T, BLOCK_H, HALF))
+        k_b = tl.broadcast_to(out_b[:, None, :], (BLOCK_T, BLOCK_H, HALF))
+        tl.store(k_ptr + k_row + k_dim + jj, k_a, mask=m_pair)
+        tl.store(k_ptr + k_row + k_dim + HALF + jj, k_b, mask=m_pair)
+
+    _copy_channels(kv_ptr, k_ptr, kv_row, k_row, m_row, k_dim, BLOCK_C)
+    if COPY_V:
+        v_row = (i0 * stride_v0 + i1 * stride_v1)[:, None, None] + (o_h * stride_vh)[None, :, None]
+        _copy_channels(kv_ptr + k_dim, v_ptr, kv_row, v_row, m_row, v_dim, BLOCK_C)
+
+
+@triton.jit
+def _rope_kv_bwd_kernel(
+    dk_ptr,  # [D0, D1, H, K + R]
+    dv_ptr,  # [D0, D1, H, V]
+    dkv_ptr,  # [D0, D1, H, K + V]
+    dpe_ptr,  # [D0, D1, R] (contiguous)
+    cos_ptr, sin_ptr, cu_ptr, ids_ptr,
+    n_tokens, D1, n_heads, k_dim, v_dim, n_rows,
+    stride_dk0, stride_dk1, stride_dkh,
+    stride_dv0, stride_dv1, stride_dvh,
+    stride_dkv0, stride_dkv1, stride_dkvh,
+    stride_table, stride_id0, stride_id1, n_seqs, steps, cp_rank, cp_size,
+    POS_MODE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    INTERLEAVED_IN: tl.constexpr,  # k_pe's layout (the gradient is written in it)
+    INTERLEAVED_OUT: tl.constexpr,  # k's rope layout (dk is read in it)
+):  # fmt: skip
+    i_t = tl.program_id(0)
+    o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    m_t = o_t < n_tokens
+    i0 = o_t // D1
+    i1 = o_t % D1
+    dk_tok = i0 * stride_dk0 + i1 * stride_dk1
+    dv_tok = i0 * stride_dv0 + i1 * stride_dv1
+    dkv_tok = i0 * stride_dkv0 + i1 * stride_dkv1
+    r = tl.arange(0, 2 * HALF)[None, :]
+    m_r = m_t[:, None] & (r < 2 * HALF)
+
+    # Fixed-order fp32 sum over heads: head h is added after head h - 1 whatever BLOCK_H is.
+    # Masked heads are skipped with a select, not added as zeros, so that -0.0 stays -0.0.
+    total = tl.zeros((BLOCK_T, 2 * HALF), dtype=tl.float32)
+    for h0 in range(0, n_heads, BLOCK_H):
+        o_h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+        m_row = m_t[:, None, None] & (o_h < n_heads)[None, :, None]
+        dk_row = dk_tok[:, None, None] + (o_h * stride_dkh)[None, :, None]
+        dv_row = dv_tok[:, None, None] + (o_h * stride_dvh)[None, :, None]
+        dkv_row = dkv_tok[:, None, None] + (o_h * stride_dkvh)[None, :, None]
+        _copy_channels(dk_ptr, dkv_ptr, dk_row, dkv_row, m_row, k_dim, BLOCK_C)
+        _copy_channels(dv_ptr, dkv_ptr + k_dim, dv_row, dkv_row, m_row, v_dim, BLOCK_C)
+        for hh in tl.static_range(BLOCK_H):
+            h = h0 + hh
+            g = tl.load(
+                dk_ptr + dk_tok[:, None] + h.to(tl.int64) * stride_dkh + k_dim + r,
+                mask=m_r & (h < n_heads), other=0.0,
+            ).to(tl.float32)  # fmt: skip
+            total = tl.where(h < n_heads, total + g, total)
+
+    pos, is_padding = token_positions(
+        o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
+        cp_rank, cp_size, POS_MODE,
+    )  # fmt: skip
+    in_range = (pos >= 0) & (pos < n_rows)
+    j = tl.arange(0, HALF)
+    c_a, c_b, s_a, s_b = load_table_halves(
+        cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
+    )
+    if INTERLEAVED_OUT:
+        g_a, g_b = tl.split(tl.reshape(total, (BLOCK_T, HALF, 2)))
+    else:
+        g_a, g_b = tl.split(tl.permute(tl.reshape(total, (BLOCK_T, 2, HALF)), (0, 2, 1)))
+    d_a, d_b = rotate(
+        g_a, g_b, c_a, c_b, s_a, s_b, is_padding[:, None], (~in_range & ~is_padding)[:, None],
+        False, True,
+    )  # fmt: skip
+    d_a = d_a.to(dpe_ptr.dtype.element_ty)
+    d_b = d_b.to(dpe_ptr.dtype.element_ty)
+    pe_row = o_t[:, None] * (2 * HALF)
+    if INTERLEAVED_IN:
+        tl.store(dpe_ptr + pe_row + r, tl.reshape(tl.join(d_a, d_b), (BLOCK_T, 2 * HALF)), mask=m_r)
+    else:
+        m_pe = m_t[:, None] & (j[None, :] < HALF)
+        tl.store(dpe_ptr + pe_row + j[None, :], d_a, mask=m_pe)
+        tl.store(dpe_ptr + pe_row + HALF + j[None, :], d_b, mask=m_pe)
+
+
+@dataclass(frozen=True)
+class KVLaunchConfig:
+    """Tiles and warps of one launch. Any valid config gives bitwise identical results."""
+
+    block_t: int
+    block_h: int
+    block_c: int
+    num_warps: int
+
+
+_TILE_ELEMENTS = 8192
+
+
+def choose_kv_config(n_tokens: int, n_heads: int, channels: int) -> KVLaunchConfig:
+    """Heuristic launch configuration (no autotuning).
+
+    A tile of about 8192 elements per copy step (16 KiB of bf16) keeps enough loads in flight
+    for a memory-bound copy without spilling. ``channels`` is the widest of K, V and R.
+    """
+    block_c = min(next_power_of_2(channels), 128)
+    block_h = min(next_power_of_2(n_heads), max(1, _TILE_ELEMENTS // block_c))
+    block_t = min(next_power_of_2(n_tokens), max(1, _TILE_ELEMENTS // (block_h * block_c)))
+    tile = block_t * block_h * block_c
+    num_warps = 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
+    return KVLaunchConfig(block_t, block_h, block_c, num_warps)
+
+
+def choose_kv_backward_config(n_tokens: int, n_heads: int, channels: int) -> KVLaunchConfig:
+    """The backward walks all heads of its tokens in blocks of ``block_h``; the per-head sum
+    loads are unrolled over the block, so ``block_h`` stays at 16 or less."""
+    block_c = min(next_power_of_2(channels), 128)
+    block_h = min(next_power_of_2(n_heads), 16)
+    block_t = min(next_power_of_2(n_tokens), max(1, 2048 // (block_h * block_c)))
+    tile = block_t * block_h * block_c
+    num_warps = 4 if tile >= 1024 else 2 if tile >= 256 else 1
+    return KVLaunchConfig(block_t, block_h, block_c, num_warps)
+
+
+def rope_kv_launch(
+    kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Positions,
+    *,
+    k_dim: int,
+    interleaved_in: bool,
+    interleaved_out: bool,
+    config: KVLaunchConfig | None = None,
+) -> None:
+    """Forward: ``kv: [tokens..., H, K + V]``, ``k_pe: [tokens..., R]`` into ``k`` and ``v``."""
+    token_shape = tuple(kv.shape[:-2])
+    kv4, k4 = as_4d(kv), as_4d(k)
+    pe3 = k_pe.unsqueeze(1) if k_pe.dim() == 2 else k_pe
+    d0, d1, n_heads, width = kv4.shape
+    rope_dim = cos.shape[-1]
+    v_dim = width - k_dim
+    n_tokens = d0 * d1
+    if n_tokens == 0 or n_heads == 0:
+        return
+    config = config or choose_kv_config(n_tokens, n_heads, max(k_dim, v_dim, rope_dim))
+    v4 = as_4d(v) if v is not None else k4
+    grid = (triton.cdiv(n_tokens, config.block_t), triton.cdiv(n_heads, config.block_h))
+    _rope_kv_fwd_kernel[grid](
+        kv4, pe3, k4, v4, cos, sin,
+        n_tokens=n_tokens, D1=d1, n_heads=n_heads, k_dim=k_dim, v_dim=v_dim, n_rows=cos.shape[0],
+        stride_kv0=kv4.stride(0), stride_kv1=kv4.stride(1), stride_kvh=kv4.stride(2),
+        stride_pe0=pe3.stride(0), stride_pe1=pe3.stride(1),
+        stride_k0=k4.stride(0), stride_k1=k4.stride(1), stride_kh=k4.stride(2),
+        stride_v0=v4.stride(0), stride_v1=v4.stride(1), stride_vh=v4.stride(2),
+        stride_table=cos.stride(0), cp_rank=positions.cp_rank, cp_size=positions.cp_size,
+        HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
+        BLOCK_C=config.block_c, INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
+        COPY_V=v is not None, num_warps=config.num_warps,
+        **position_args(positions, kv, token_shape),
+    )  # fmt: skip
+
+
+def rope_kv_backward_launch(
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    dkv: torch.Tensor,
+    dk_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Positions,
+    *,
+    k_dim: int,
+    interleaved_in: bool,
+    interleaved_out: bool,
+    config: KVLaunchConfig | None = None,
+) -> None:
+    """Backward: ``dk: [tokens..., H, K + R]``, ``dv: [tokens..., H, V]`` into
+    ``dkv: [tokens..., H, K + V]`` and contiguous ``dk_pe: [tokens..., R]``, one launch."""
+    token_shape = tuple(dk.shape[:-2])
+    dk4, dv4, dkv4 = as_4d(dk), as_4d(dv), as_4d(dkv)
+    d0, d1, n_heads, _ = dk4.shape
+    rope_dim = cos.shape[-1]
+    v_dim = dv4.shape[-1]
+    n_tokens = d0 * d1
+    if n_tokens == 0:
+        return
+    if n_heads == 0:
+        dk_pe.zero_()
+        return
+    config = config or choose_kv_backward_config(n_tokens, n_heads, max(k_dim, v_dim))
+    grid = (triton.cdiv(n_tokens, config.block_t),)
+    _rope_kv_bwd_kernel[grid](
+        dk4, dv4, dkv4, dk_pe, cos, sin,
+        n_tokens=n_tokens, D1=d1, n_heads=n_heads, k_dim=k_dim, v_dim=v_dim, n_rows=cos.shape[0],
+        stride_dk0=dk4.stride(0), stride_dk1=dk4.stride(1), stride_dkh=dk4.stride(2),
+        stride_dv0=dv4.stride(0), stride_dv1=dv4.stride(1), stride_dvh=dv4.stride(2),
+        stride_dkv0=dkv4.stride(0), stride_dkv1=dkv4.stride(1), stride_dkvh=dkv4.stride(2),
+        stride_table=cos.stride(0), cp_rank=positions.cp_rank, cp_size=positions.cp_size,
+        HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
+        BLOCK_C=config.block_c, INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
+        num_warps=config.num_warps, **position_args(positions, dk, token_shape),
+    )  # fmt: skip

@@ -1,0 +1,225 @@
+"""Triton kernel and launcher for the query op (forward and backward, in place and out of place).
+
+One program owns a tile of ``BLOCK_T`` tokens x ``BLOCK_H`` heads: it looks up the tokens'
+positions, loads the table rows once, loads the tile's rope channels, rotates them in fp32 and
+stores them once, rounded to the output dtype. Out of place it also copies the nope channels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import Positions
+from ._lookup import (
+    CU_SEQLENS,
+    POSITION_IDS,
+    SEQ_DIM0,
+    SEQ_DIM1,
+    load_table_halves,
+    next_power_of_2,
+    rotate,
+    search_steps,
+    token_positions,
+)
+
+
+@triton.jit
+def _rope_q_kernel(
+    x_ptr,  # input [D0, D1, H, N + R] (thd: D1 = 1)
+    out_ptr,  # output, same shape; the same memory as x_ptr when IN_PLACE
+    cos_ptr,  # [P, R]
+    sin_ptr,  # [P, R]
+    cu_ptr,  # cu_seqlens [n + 1] (POS_MODE == CU_SEQLENS)
+    ids_ptr,  # position_ids [D0, D1] with strides (POS_MODE == POSITION_IDS)
+    n_tokens,
+    D1,
+    n_heads,
+    n_nope,
+    n_rows,  # P
+    stride_x0, stride_x1, stride_xh,
+    stride_o0, stride_o1, stride_oh,
+    stride_table,
+    stride_id0, stride_id1,
+    n_seqs,
+    steps,
+    cp_rank,
+    cp_size,
+    POS_MODE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERLEAVED_IN: tl.constexpr,
+    INTERLEAVED_OUT: tl.constexpr,
+    INVERSE: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+):  # fmt: skip
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_t = o_t < n_tokens
+    m_h = o_h < n_heads
+    i0 = o_t // D1
+    i1 = o_t % D1
+
+    pos, is_padding = token_positions(
+        o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
+        cp_rank, cp_size, POS_MODE,
+    )  # fmt: skip
+    in_range = (pos >= 0) & (pos < n_rows)
+    j = tl.arange(0, HALF)
+    c_a, c_b, s_a, s_b = load_table_halves(
+        cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
+    )
+
+    # [BLOCK_T, BLOCK_H, 1] row offsets; int64 because token index x stride can pass 2**31.
+    h64 = o_h.to(tl.int64)[None, :, None]
+    x_row = (i0 * stride_x0 + i1 * stride_x1)[:, None, None] + h64 * stride_xh
+    o_row = (i0 * stride_o0 + i1 * stride_o1)[:, None, None] + h64 * stride_oh
+    m_row = m_t[:, None, None] & m_h[None, :, None]
+    jj = j[None, None, :]
+    m_pair = m_row & (jj < HALF)
+
+    x_rope = x_ptr + x_row + n_nope
+    if INTERLEAVED_IN:
+        k = tl.arange(0, 2 * HALF)[None, None, :]
+        x = tl.load(x_rope + k, mask=m_row & (k < 2 * HALF), other=0.0).to(tl.float32)
+        a, b = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, HALF, 2)))
+    else:
+        a = tl.load(x_rope + jj, mask=m_pair, other=0.0).to(tl.float32)
+        b = tl.load(x_rope + HALF + jj, mask=m_pair, other=0.0).to(tl.float32)
+
+    out_a, out_b = rotate(
+        a, b, c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :],
+        is_padding[:, None, None], (~in_range & ~is_padding)[:, None, None], INVERSE, TRANSPOSE,
+    )  # fmt: skip
+    out_a = out_a.to(out_ptr.dtype.element_ty)
+    out_b = out_b.to(out_ptr.dtype.element_ty)
+
+    if IN_PLACE:
+        # Race freedom: the stores below overwrite the very elements loaded above, and with a
+        # layout change (interleaved <-> half-split) an element is loaded by one thread and
+        # stored by another. This CTA barrier orders every load of the tile before any store of
+        # it. Tiles of different programs are disjoint, so no other program touches them.
+        tl.debug_barrier()
+
+    o_rope = out_ptr + o_row + n_nope
+    if INTERLEAVED_OUT:
+        k = tl.arange(0, 2 * HALF)[None, None, :]
+        pairs = tl.reshape(tl.join(out_a, out_b), (BLOCK_T, BLOCK_H, 2 * HALF))
+        tl.store(o_rope + k, pairs, mask=m_row & (k < 2 * HALF))
+    else:
+        tl.store(o_rope + jj, out_a, mask=m_pair)
+        tl.store(o_rope + HALF + jj, out_b, mask=m_pair)
+
+    if not IN_PLACE:
+        for n0 in range(0, n_nope, BLOCK_N):
+            c = n0 + tl.arange(0, BLOCK_N)[None, None, :]
+            m = m_row & (c < n_nope)
+            tl.store(out_ptr + o_row + c, tl.load(x_ptr + x_row + c, mask=m), mask=m)
+
+
+@dataclass(frozen=True)
+class QLaunchConfig:
+    """Tile and warp count of one launch. Any valid config gives bitwise identical results."""
+
+    block_t: int
+    block_h: int
+    block_n: int
+    num_warps: int
+
+
+# Elements of the rope tile one program moves. Memory-bound: enough bytes per program to keep
+# many loads in flight (8192 bf16 = 16 KiB in, 16 KiB out), few enough to avoid register spills.
+_TILE_ELEMENTS = 8192
+
+
+def choose_q_config(n_tokens: int, n_heads: int, n_nope: int, rope_dim: int) -> QLaunchConfig:
+    """Heuristic launch configuration (no run-time autotuning; the reason is in the comments).
+
+    All heads of a token in one program when they fit the tile (DeepSeek-V3: 128 heads x 64 =
+    8192), so the position lookup and the table rows are shared by as many heads as possible;
+    then as many tokens as fill the tile, for small head counts (tensor parallel shards).
+    """
+    block_h = min(next_power_of_2(n_heads), max(1, _TILE_ELEMENTS // rope_dim))
+    block_t = min(next_power_of_2(n_tokens), max(1, _TILE_ELEMENTS // (block_h * rope_dim)))
+    block_n = min(next_power_of_2(max(n_nope, 16)), max(16, _TILE_ELEMENTS // (block_t * block_h)))
+    tile = block_t * block_h * rope_dim
+    num_warps = 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
+    return QLaunchConfig(block_t, block_h, block_n, num_warps)
+
+
+def position_args(positions: Positions, x: torch.Tensor, token_shape: tuple[int, ...]) -> dict:
+    """Kernel arguments describing where positions come from (see ``_lookup.token_positions``)."""
+    if positions.position_ids is not None:
+        ids = positions.position_ids
+        strides = ids.stride() if ids.dim() == 2 else (ids.stride(0), 0)
+        return dict(
+            cu_ptr=ids, ids_ptr=ids, stride_id0=strides[0], stride_id1=strides[1],
+            n_seqs=0, steps=0, POS_MODE=POSITION_IDS,
+        )  # fmt: skip
+    if positions.cu_seqlens is not None:
+        n_seqs = positions.cu_seqlens.shape[0] - 1
+        return dict(
+            cu_ptr=positions.cu_seqlens, ids_ptr=positions.cu_seqlens, stride_id0=0,
+            stride_id1=0, n_seqs=n_seqs, steps=search_steps(n_seqs), POS_MODE=CU_SEQLENS,
+        )  # fmt: skip
+    bshd = positions.layout == "bshd"
+    return dict(
+        cu_ptr=x, ids_ptr=x, stride_id0=0, stride_id1=0,
+        n_seqs=token_shape[1] if bshd else token_shape[0], steps=0,
+        POS_MODE=SEQ_DIM1 if bshd else SEQ_DIM0,
+    )  # fmt: skip
+
+
+def as_4d(t: torch.Tensor) -> torch.Tensor:
+    """``[T, H, D]`` -> ``[T, 1, H, D]`` view; 4-D tensors unchanged."""
+    return t.unsqueeze(1) if t.dim() == 3 else t
+
+
+def rope_q_launch(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Positions,
+    *,
+    interleaved_in: bool,
+    interleaved_out: bool,
+    inverse: bool,
+    transpose: bool,
+    config: QLaunchConfig | None = None,
+) -> None:
+    """Rotate ``x: [tokens..., H, N + R]`` into ``out`` (the same tensor for in place).
+
+    ``cos, sin: [P, R]``. Out of place, ``out`` gets the nope channels too.
+    """
+    token_shape = tuple(x.shape[:-2])
+    x4, out4 = as_4d(x), as_4d(out)
+    d0, d1, n_heads, width = x4.shape
+    rope_dim = cos.shape[-1]
+    n_nope = width - rope_dim
+    n_tokens = d0 * d1
+    if n_tokens == 0 or n_heads == 0:
+        return
+    config = config or choose_q_config(n_tokens, n_heads, n_nope, rope_dim)
+    grid = (triton.cdiv(n_tokens, config.block_t), triton.cdiv(n_heads, config.block_h))
+    _rope_q_kernel[grid](
+        x4, out4, cos, sin,
+        n_tokens=n_tokens, D1=d1, n_heads=n_heads, n_nope=n_nope, n_rows=cos.shape[0],
+        stride_x0=x4.stride(0), stride_x1=x4.stride(1), stride_xh=x4.stride(2),
+        stride_o0=out4.stride(0), stride_o1=out4.stride(1), stride_oh=out4.stride(2),
+        stride_table=cos.stride(0),
+        cp_rank=positions.cp_rank, cp_size=positions.cp_size,
+        HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n, INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
+        INVERSE=inverse, TRANSPOSE=transpose, IN_PLACE=x.data_ptr() == out.data_ptr(),
+        num_warps=config.num_warps,
+        **position_args(positions, x, token_shape),
+    )  # fmt: skip

@@ -1,0 +1,281 @@
+"""Custom ops, autograd and backend dispatch for both ops.
+
+Data flow: public API (``__init__``) -> ``_checks`` -> here -> ``kernels`` (Triton) or
+``reference`` (PyTorch). The backend follows the tensor: CUDA tensors run the Triton kernels;
+CPU tensors run the reference, or the same Triton kernels under Triton's interpreter when
+``TRITON_INTERPRET=1``; float64 always runs the reference.
+
+Each op is a ``torch.library.custom_op`` with a fake implementation, so
+``torch.compile(fullgraph=True)`` traces through it. In eager mode the autograd functions call
+the implementations directly, skipping the dispatcher's per-call overhead. No op syncs with
+the device, so all of them can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from . import reference
+from ._checks import Positions
+
+
+def use_triton(t: Tensor) -> bool:
+    """Triton kernels for CUDA tensors, and for CPU tensors under ``TRITON_INTERPRET=1``."""
+    if t.dtype == torch.float64:
+        return False
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _same_table_strides(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernels index both tables with one row stride."""
+    if cos.stride() != sin.stride():
+        return cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
+# ----------------------------------------------------------------------------- query op impl
+def rope_q_impl(
+    q: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
+    position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int,
+    interleaved_in: bool, interleaved_out: bool, inverse: bool, transpose: bool,
+) -> Tensor:  # fmt: skip
+    """Out of place: ``q: [tokens..., H, N + R]`` -> a new contiguous tensor of the same shape."""
+    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
+    if not use_triton(q):
+        return reference.rope_q(
+            q, cos, sin, positions, interleaved_in=interleaved_in,
+            interleaved_out=interleaved_out, inverse=inverse, transpose=transpose,
+        )  # fmt: skip
+    from .kernels.q import rope_q_launch
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cos, sin = _same_table_strides(cos, sin)
+    rope_q_launch(
+        q, out, cos, sin, positions, interleaved_in=interleaved_in,
+        interleaved_out=interleaved_out, inverse=inverse, transpose=transpose,
+    )  # fmt: skip
+    return out
+
+
+def rope_q_inplace_impl(
+    q: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
+    position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int,
+    interleaved_in: bool, interleaved_out: bool, inverse: bool, transpose: bool,
+) -> None:  # fmt: skip
+    """In place: rotates the rope channels of ``q: [tokens..., H, N + R]``; nope untouched."""
+    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
+    if not use_triton(q):
+        rope_dim = cos.shape[-1]
+        rotated = reference.rope_q(
+            q, cos, sin, positions, interleaved_in=interleaved_in,
+            interleaved_out=interleaved_out, inverse=inverse, transpose=transpose,
+        )  # fmt: skip
+        with torch.no_grad():
+            q[..., q.shape[-1] - rope_dim :].copy_(rotated[..., q.shape[-1] - rope_dim :])
+        return
+    from .kernels.q import rope_q_launch
+
+    cos, sin = _same_table_strides(cos, sin)
+    rope_q_launch(
+        q, q, cos, sin, positions, interleaved_in=interleaved_in,
+        interleaved_out=interleaved_out, inverse=inverse, transpose=transpose,
+    )  # fmt: skip
+
+
+# -------------------------------------------------------------------------- key/value op impl
+def rope_kv_impl(
+    kv: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
+    position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int, k_dim: int,
+    interleaved_in: bool, interleaved_out: bool, copy_v: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``kv: [tokens..., H, K + V]``, ``k_pe: [tokens..., R]`` -> ``k: [tokens..., H, K + R]`` and
+    ``v: [tokens..., H, V]`` (``copy_v``) or an empty placeholder (the caller takes a view)."""
+    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
+    if not use_triton(kv):
+        k, v = reference.rope_kv(
+            kv, k_pe, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
+            interleaved_out=interleaved_out,
+        )  # fmt: skip
+        return k, (v.clone(memory_format=torch.contiguous_format) if copy_v else kv.new_empty(0))
+    from .kernels.kv import rope_kv_launch
+
+    rope_dim = cos.shape[-1]
+    k = torch.empty((*kv.shape[:-1], k_dim + rope_dim), dtype=kv.dtype, device=kv.device)
+    v = (
+        torch.empty((*kv.shape[:-1], kv.shape[-1] - k_dim), dtype=kv.dtype, device=kv.device)
+        if copy_v
+        else None
+    )
+    cos, sin = _same_table_strides(cos, sin)
+    rope_kv_launch(
+        kv, k_pe, k, v, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
+        interleaved_out=interleaved_out,
+    )  # fmt: skip
+    return k, (v if v is not None else kv.new_empty(0))
+
+
+def rope_kv_backward_impl(
+    dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
+    position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int, k_dim: int,
+    interleaved_in: bool, interleaved_out: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``dk: [tokens..., H, K + R]``, ``dv: [tokens..., H, V]`` -> ``dkv: [tokens..., H, K + V]``,
+    ``dk_pe: [tokens..., R]`` (one launch on the Triton backend)."""
+    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
+    if not use_triton(dk):
+        return reference.rope_kv_backward(
+            dk, dv, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
+            interleaved_out=interleaved_out,
+        )  # fmt: skip
+    from .kernels.kv import rope_kv_backward_launch
+
+    rope_dim = cos.shape[-1]
+    dkv = torch.empty((*dk.shape[:-1], k_dim + dv.shape[-1]), dtype=dk.dtype, device=dk.device)
+    dk_pe = torch.empty((*dk.shape[:-2], rope_dim), dtype=dk.dtype, device=dk.device)
+    cos, sin = _same_table_strides(cos, sin)
+    rope_kv_backward_launch(
+        dk, dv, dkv, dk_pe, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
+        interleaved_out=interleaved_out,
+    )  # fmt: skip
+    return dkv, dk_pe
+
+
+# ------------------------------------------------------------------------------- custom ops
+rope_q_op = torch.library.custom_op("mlarope::rope_q", rope_q_impl, mutates_args=())
+rope_q_inplace_op = torch.library.custom_op(
+    "mlarope::rope_q_", rope_q_inplace_impl, mutates_args=("q",)
+)
+rope_kv_op = torch.library.custom_op("mlarope::rope_kv", rope_kv_impl, mutates_args=())
+rope_kv_backward_op = torch.library.custom_op(
+    "mlarope::rope_kv_backward", rope_kv_backward_impl, mutates_args=()
+)
+
+
+@rope_q_op.register_fake
+def _rope_q_fake(q, *args):
+    return q.new_empty(q.shape)
+
+
+@rope_q_inplace_op.register_fake
+def _rope_q_inplace_fake(q, *args):
+    return None
+
+
+@rope_kv_op.register_fake
+def _rope_kv_fake(kv, k_pe, cos, sin, cu, ids, layout, cp_rank, cp_size, k_dim, *flags):
+    copy_v = flags[-1]
+    k = kv.new_empty((*kv.shape[:-1], k_dim + cos.shape[-1]))
+    v = kv.new_empty((*kv.shape[:-1], kv.shape[-1] - k_dim)) if copy_v else kv.new_empty(0)
+    return k, v
+
+
+@rope_kv_backward_op.register_fake
+def _rope_kv_backward_fake(dk, dv, cos, sin, cu, ids, layout, cp_rank, cp_size, k_dim, *flags):
+    dkv = dk.new_empty((*dk.shape[:-1], k_dim + dv.shape[-1]))
+    return dkv, dk.new_empty((*dk.shape[:-2], cos.shape[-1]))
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _q(*args) -> Tensor:
+    return rope_q_op(*args) if _compiling() else rope_q_impl(*args)
+
+
+def _q_inplace(q: Tensor, *args) -> None:
+    if _compiling():
+        rope_q_inplace_op(q, *args)
+    else:
+        rope_q_inplace_impl(q, *args)
+        # The kernel wrote through a raw pointer; tell autograd's version counter, so a tensor
+        # saved by another op for its backward raises instead of being silently wrong.
+        torch.autograd.graph.increment_version(q)
+
+
+def _kv(*args) -> tuple[Tensor, Tensor]:
+    return rope_kv_op(*args) if _compiling() else rope_kv_impl(*args)
+
+
+def _kv_backward(*args) -> tuple[Tensor, Tensor]:
+    return rope_kv_backward_op(*args) if _compiling() else rope_kv_backward_impl(*args)
+
+
+def _writable_grad(grad: Tensor) -> Tensor:
+    """A gradient the in-place backward may overwrite: last dim contiguous, no broadcast dims
+    (an expanded or strided gradient is not contiguous, so ``contiguous()`` copies it)."""
+    if grad.stride(-1) != 1 or any(
+        st == 0 and n > 1 for st, n in zip(grad.stride(), grad.shape, strict=True)
+    ):
+        return grad.contiguous()
+    return grad
+
+
+# ------------------------------------------------------------------------------- autograd
+class RopeQFunction(torch.autograd.Function):
+    """Query op with autograd. The backward is the same kernel with ``transpose=True`` and the
+    input and output layouts swapped; the in-place op's backward rotates the gradient in place
+    (as Megatron-Core's does), so it moves only the rope channels."""
+
+    @staticmethod
+    def forward(ctx, q, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size,
+                interleaved, interleaved_out, inverse, inplace):  # fmt: skip
+        args = (cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size)
+        if inplace:
+            _q_inplace(q, *args, interleaved, interleaved_out, inverse, False)
+            ctx.mark_dirty(q)
+            out = q
+        else:
+            out = _q(q, *args, interleaved, interleaved_out, inverse, False)
+        ctx.save_for_backward(cos, sin, cu_seqlens, position_ids)
+        ctx.flags = (layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin, cu_seqlens, position_ids = ctx.saved_tensors
+        layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace = ctx.flags
+        args = (cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size)
+        if inplace:
+            dq = _writable_grad(grad)
+            _q_inplace(dq, *args, interleaved_out, interleaved, inverse, True)
+        else:
+            dq = _q(grad, *args, interleaved_out, interleaved, inverse, True)
+        return (dq,) + (None,) * 11
+
+
+class RopeKVFunction(torch.autograd.Function):
+    """Key/value op with autograd; the backward produces ``dkv`` and ``dk_pe`` in one launch."""
+
+    @staticmethod
+    def forward(ctx, kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size,
+                k_dim, interleaved, interleaved_out, copy_v):  # fmt: skip
+        k, v = _kv(
+            kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
+            interleaved, interleaved_out, copy_v,
+        )  # fmt: skip
+        if not copy_v:
+            v = kv[..., k_dim:]
+        ctx.save_for_backward(cos, sin, cu_seqlens, position_ids)
+        ctx.flags = (layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out)
+        ctx.k_pe_shape = k_pe.shape
+        return k, v
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        cos, sin, cu_seqlens, position_ids = ctx.saved_tensors
+        layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out = ctx.flags
+        if dk.stride(-1) != 1:
+            dk = dk.contiguous()
+        if dv.stride(-1) != 1:
+            dv = dv.contiguous()
+        dkv, dk_pe = _kv_backward(
+            dk, dv, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
+            interleaved, interleaved_out,
+        )  # fmt: skip
+        return (dkv, dk_pe.view(ctx.k_pe_shape)) + (None,) * 11

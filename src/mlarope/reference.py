@@ -1,0 +1,253 @@
+"""The executable spec, in plain PyTorch: DESIGN.md's semantics for both ops.
+
+It is the CPU backend of :func:`mlarope.apply_rope_q` / :func:`mlarope.apply_rope_kv` and the
+oracle of the tests. Math runs in float32 (float64 for float64 inputs) and is rounded once to
+the input dtype. Everything here is differentiable by autograd, so ``torch.autograd.gradcheck``
+in float64 checks that the hand-written backward (``transpose=True``) is the exact transpose.
+
+Notation: ``N`` nope channels, ``R`` rope channels, ``half = R // 2``, ``H`` heads, ``P`` table
+rows; token dims are ``[S, B]`` (sbhd), ``[B, S]`` (bshd) or ``[T]`` (thd).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+from ._checks import Positions
+from .positions import token_positions
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gather_tables(
+    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``cos, sin: [P, R]`` at ``pos: [tokens...]`` -> ``[tokens..., R]`` x2, in-range."""
+    rows = cos.shape[0]
+    in_range = (pos >= 0) & (pos < rows)
+    index = pos.clamp(0, rows - 1)
+    return cos.to(dtype)[index], sin.to(dtype)[index], in_range
+
+
+def rotate_pairs(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    is_padding: torch.Tensor,
+    in_range: torch.Tensor,
+    *,
+    interleaved_in: bool,
+    interleaved_out: bool,
+    inverse: bool,
+    transpose: bool,
+) -> torch.Tensor:
+    """Rotate ``x: [tokens..., H, R]`` by ``cos, sin: [tokens..., R]`` (compute dtype in and out).
+
+    Forward: ``out_a = a*c[j] - b*s[j]``, ``out_b = b*c[half+j] + a*s[half+j]``.
+    ``transpose=True`` is the backward, the exact transpose of that map:
+    ``da = g_a*c[j] + g_b*s[half+j]``, ``db = g_b*c[half+j] - g_a*s[j]``.
+    ``inverse`` negates ``s``. Padding tokens pass through (re-laid out, not rotated); tokens whose
+    position is outside the table come out as NaN.
+    """
+    half = x.shape[-1] // 2
+    if interleaved_in:
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        a, b = x[..., :half], x[..., half:]
+    c = cos.unsqueeze(-2)
+    s = sin.unsqueeze(-2)
+    c_a, c_b = c[..., :half], c[..., half:]
+    s_a, s_b = (-s[..., half:], -s[..., :half]) if transpose else (s[..., :half], s[..., half:])
+    if inverse:
+        s_a, s_b = -s_a, -s_b
+    out_a = a * c_a - b * s_a
+    out_b = b * c_b + a * s_b
+    pad = is_padding[..., None, None]
+    out_a = torch.where(pad, a, out_a)
+    out_b = torch.where(pad, b, out_b)
+    bad = (~in_range & ~is_padding)[..., None, None]
+    nan = torch.full((), float("nan"), dtype=x.dtype, device=x.device)
+    out_a = torch.where(bad, nan, out_a)
+    out_b = torch.where(bad, nan, out_b)
+    if interleaved_out:
+        return torch.stack((out_a, out_b), dim=-1).flatten(-2)
+    return torch.cat((out_a, out_b), dim=-1)
+
+
+def _tables_for(positions: Positions, token_shape, cos, sin, dtype, device):
+    pos, is_padding = token_positions(positions, token_shape, device)
+    cos_rows, sin_rows, in_range = gather_tables(cos, sin, pos, dtype)
+    return cos_rows, sin_rows, is_padding, in_range
+
+
+def rope_q(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Positions,
+    *,
+    interleaved_in: bool,
+    interleaved_out: bool,
+    inverse: bool,
+    transpose: bool = False,
+) -> torch.Tensor:
+    """Query op on checked inputs: ``q: [tokens..., H, N + R]``, ``cos, sin: [P, R]`` -> same shape.
+
+    Returns a new tensor: nope channels copied, rope channels rotated and re-laid out.
+    """
+    rope_dim = cos.shape[-1]
+    nope = q.shape[-1] - rope_dim
+    dtype = compute_dtype(q.dtype)
+    cos_rows, sin_rows, is_padding, in_range = _tables_for(
+        positions, q.shape[:-2], cos, sin, dtype, q.device
+    )
+    rotated = rotate_pairs(
+        q[..., nope:].to(dtype),
+        cos_rows,
+        sin_rows,
+        is_padding,
+        in_range,
+        interleaved_in=interleaved_in,
+        interleaved_out=interleaved_out,
+        inverse=inverse,
+        transpose=transpose,
+    )
+    return torch.cat((q[..., :nope], rotated.to(q.dtype)), dim=-1)
+
+
+def rope_kv(
+    kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Positions,
+    *,
+    k_dim: int,
+    interleaved_in: bool,
+    interleaved_out: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key/value op on checked inputs.
+
+    ``kv: [tokens..., H, K + V]``, ``k_pe: [tokens..., R]`` ->
+    ``k: [tokens..., H, K + R]`` (``kv[..., :K]`` then the rotated ``k_pe``, the same for every
+    head) and ``v: [tokens..., H, V]`` (a view of ``kv``; the caller copies it if asked).
+    """
+    dtype = compute_dtype(kv.dtype)
+    cos_rows, sin_rows, is_padding, in_range = _tables_for(
+        positions, kv.shape[:-2], cos, sin, dtype, kv.device
+    )
+    rotated = rotate_pairs(
+        k_pe.unsqueeze(-2).to(dtype),
+        cos_rows,
+        sin_rows,
+        is_padding,
+        in_range,
+        interleaved_in=interleaved_in,
+        interleaved_out=interleaved_out,
+        inverse=False,
+        transpose=False,
+    ).to(kv.dtype)
+    k_rope = rotated.expand(*kv.shape[:-1], rotated.shape[-1])
+    k = torch.cat((kv[..., :k_dim], k_rope), dim=-1)
+    return k, kv[..., k_dim:]
+
+
+def rope_kv_backward(
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Positions,
+    *,
+    k_dim: int,
+    interleaved_in: bool,
+    interleaved_out: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key/value op's backward: ``dk: [tokens..., H, K + R]``, ``dv: [tokens..., H, V]`` ->
+    ``dkv: [tokens..., H, K + V]``, ``dk_pe: [tokens..., R]``.
+
+    ``dk_pe`` is the transpose rotation of the sum over heads of ``dk[..., K:]``, accumulated in
+    the compute dtype head after head (``((g_0 + g_1) + g_2) + ...``, the kernels' order) and
+    rounded once.
+    """
+    dtype = compute_dtype(dk.dtype)
+    dkv = torch.cat((dk[..., :k_dim], dv), dim=-1)
+    total = dk[..., 0, k_dim:].to(dtype)
+    for head in range(1, dk.shape[-2]):
+        total = total + dk[..., head, k_dim:].to(dtype)
+    cos_rows, sin_rows, is_padding, in_range = _tables_for(
+        positions, dk.shape[:-2], cos, sin, dtype, dk.device
+    )
+    dk_pe = rotate_pairs(
+        total.unsqueeze(-2),
+        cos_rows,
+        sin_rows,
+        is_padding,
+        in_range,
+        interleaved_in=interleaved_out,
+        interleaved_out=interleaved_in,
+        inverse=False,
+        transpose=True,
+    )
+    return dkv, dk_pe.squeeze(-2).to(dk.dtype)
+
+
+def apply_rope_q(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    layout: str = "sbhd",
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    interleaved: bool = True,
+    interleaved_out: bool = False,
+    inverse: bool = False,
+) -> torch.Tensor:
+    """The query op in plain PyTorch (out of place), with the public API's checks.
+
+    ``q: [S, B, H, N + R]`` | ``[B, S, H, N + R]`` | ``[T, H, N + R]``; ``cos, sin: [P, R]``.
+    """
+    q, cos2d, sin2d, positions = _checks.check_q_call(
+        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+        interleaved, interleaved_out, inverse,
+    )  # fmt: skip
+    return rope_q(
+        q, cos2d, sin2d, positions,
+        interleaved_in=interleaved, interleaved_out=interleaved_out, inverse=inverse,
+    )  # fmt: skip
+
+
+def apply_rope_kv(
+    kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    k_dim: int,
+    layout: str = "sbhd",
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    interleaved: bool = True,
+    interleaved_out: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key/value op in plain PyTorch, with the public API's checks.
+
+    ``kv: [..., H, K + V]``, ``k_pe: [..., 1, R]`` or ``[..., R]`` ->
+    ``k: [..., H, K + R]``, ``v: [..., H, V]`` (a view of ``kv``).
+    """
+    kv, k_pe, k_dim, cos2d, sin2d, positions = _checks.check_kv_call(
+        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+        interleaved, interleaved_out,
+    )  # fmt: skip
+    return rope_kv(
+        kv, k_pe, cos2d, sin2d, positions,
+        k_dim=k_dim, interleaved_in=interleaved, interleaved_out=interleaved_out,
+    )  # fmt: skip
