@@ -1,0 +1,321 @@
+"""The query op's Triton kernels against the fp64 reference, over the issue's matrix.
+
+Runs on the ``device`` fixture: CPU tensors under Triton's interpreter in the CPU lane, CUDA in
+the GPU lane. Every rotated element is held to DESIGN.md's error model (tests/errmodel.py);
+copied channels must be exact; outputs are poisoned with NaN first so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import mlarope
+from mlarope import _checks, reference
+from mlarope.kernels.q import QLaunchConfig, choose_q_config, rope_q_launch
+from tests.errmodel import assert_close_elementwise, poisoned_like, rope_tolerance
+
+
+@dataclass
+class Case:
+    layout: str = "sbhd"
+    tokens: tuple = (5, 2)
+    heads: int = 3
+    nope: int = 16
+    rope: int = 64
+    dtype: torch.dtype = torch.bfloat16
+    table_dtype: torch.dtype = torch.float32
+    interleaved: bool = True
+    interleaved_out: bool = False
+    inverse: bool = False
+    source: str = "seq"  # seq | cu | ids
+    cp_size: int = 1
+    cp_rank: int = 0
+    strided: bool = False
+    table_rows: int = 64
+
+
+def random_tables(rows: int, rope: int, dtype: torch.dtype, device) -> tuple:
+    """General tables (the halves differ) with values like real cos/sin, rounded to ``dtype``."""
+    theta = torch.rand(rows, rope, dtype=torch.float64) * 6.3
+    scale = 1.0 + 0.5 * torch.rand(rows, 1, dtype=torch.float64)
+    return (
+        (theta.cos() * scale).to(dtype).to(device),
+        (theta.sin() * scale).to(dtype).to(device),
+    )
+
+
+def make_inputs(case: Case, device):
+    """``q`` (maybe a strided, misaligned slice of a fused projection), tables, position kwargs."""
+    width = case.nope + case.rope
+    shape = (*case.tokens, case.heads, width)
+    if case.strided:
+        # A slice of a wider fused projection, 3 elements off alignment, token dims strided.
+        if len(case.tokens) == 2:
+            big = torch.randn(case.tokens[1], case.tokens[0], case.heads, width + 7).transpose(0, 1)
+        else:
+            big = torch.randn(case.tokens[0], case.heads + 1, width + 7)[:, 1:]
+        q = big.to(case.dtype).to(device)[..., 3 : 3 + width]
+        assert q.stride(-1) == 1 and not q.is_contiguous()
+    else:
+        q = torch.randn(shape).to(case.dtype).to(device)
+    cos, sin = random_tables(case.table_rows, case.rope, case.table_dtype, device)
+    kwargs = dict(layout=case.layout, cp_rank=case.cp_rank, cp_size=case.cp_size)
+    if case.source == "cu":
+        kwargs["cu_seqlens"] = CU_SEQLENS[case.cp_size].to(device)
+    elif case.source == "ids":
+        n = case.tokens[0] if case.layout == "thd" else case.tokens[0] * case.tokens[1]
+        ids = torch.randint(0, case.table_rows, (n,))
+        ids[1] = case.table_rows + 3  # out of range: NaN row
+        kwargs["position_ids"] = ids.reshape(case.tokens).to(device)
+    return q, cos, sin, kwargs
+
+
+# Global lengths (multiples of 2*cp_size), with an empty sequence, a short one and, for thd, a
+# padded tail: the tensors have more tokens than cu_seqlens[-1] / cp_size.
+CU_SEQLENS = {
+    1: torch.tensor([0, 3, 3, 4, 13], dtype=torch.int32),
+    2: torch.tensor([0, 4, 4, 16], dtype=torch.int64),
+    4: torch.tensor([0, 8, 8, 24], dtype=torch.int32),
+}
+THD_TOKENS = {1: (15,), 2: (9,), 4: (7,)}
+
+
+def checked(q, cos, sin, case: Case, kwargs):
+    return _checks.check_q_call(
+        q, cos, sin, case.layout, kwargs.get("cu_seqlens"), kwargs.get("position_ids"),
+        case.cp_rank, case.cp_size, case.interleaved, case.interleaved_out, case.inverse,
+    )  # fmt: skip
+
+
+def truth_and_tolerance(x, cos2d, sin2d, positions, case: Case, transpose: bool):
+    """fp64 reference of one direction, and the per-element tolerance of its rope channels."""
+    il_in, il_out = case.interleaved, case.interleaved_out
+    if transpose:
+        il_in, il_out = il_out, il_in
+    truth = reference.rope_q(
+        x.double(), cos2d.double(), sin2d.double(), positions, interleaved_in=il_in,
+        interleaved_out=il_out, inverse=case.inverse, transpose=transpose,
+    )  # fmt: skip
+    tol = torch.zeros_like(truth)
+    tol[..., case.nope :] = rope_tolerance(
+        x[..., case.nope :].double(), cos2d, sin2d, positions, truth[..., case.nope :], x.dtype,
+        interleaved_in=il_in, interleaved_out=il_out,
+    )  # fmt: skip
+    return truth, tol
+
+
+def launch(x, cos2d, sin2d, positions, case: Case, *, transpose, inplace=False, config=None):
+    il_in, il_out = case.interleaved, case.interleaved_out
+    if transpose:
+        il_in, il_out = il_out, il_in
+    out = x if inplace else poisoned_like(x)
+    rope_q_launch(
+        x, out, cos2d, sin2d, positions, interleaved_in=il_in, interleaved_out=il_out,
+        inverse=case.inverse, transpose=transpose, config=config,
+    )  # fmt: skip
+    return out
+
+
+def check_case(case: Case, device) -> None:
+    q, cos, sin, kwargs = make_inputs(case, device)
+    q_before = q.clone()
+    q, cos2d, sin2d, positions = checked(q, cos, sin, case, kwargs)
+    for transpose in (False, True):
+        truth, tol = truth_and_tolerance(q, cos2d, sin2d, positions, case, transpose)
+        out = launch(q, cos2d, sin2d, positions, case, transpose=transpose)
+        assert torch.equal(q, q_before), "out of place must leave its input untouched"
+        what = f"{'backward' if transpose else 'forward'} {case}"
+        assert_close_elementwise(out, truth, tol, what)
+        # In place: the same bits in the rope channels, nope channels untouched.
+        x = q.clone()
+        launch(x, cos2d, sin2d, positions, case, transpose=transpose, inplace=True)
+        assert torch.equal(x[..., : case.nope], q[..., : case.nope])
+        assert torch.equal(x.nan_to_num(0.5), out.nan_to_num(0.5)), (
+            f"in place != out of place: {what}"
+        )
+
+
+def cases():
+    yield from (Case(layout=lay) for lay in ("sbhd", "bshd"))
+    yield Case(layout="thd", tokens=(15,), source="cu")
+    yield Case(layout="thd", tokens=(11,), source="seq")
+    yield Case(layout="thd", tokens=(9,), source="ids")
+    yield Case(layout="sbhd", tokens=(4, 3), source="ids")
+    yield Case(layout="bshd", tokens=(2, 5), source="ids")
+    for cp_size in (2, 4):
+        for rank in range(cp_size):
+            yield Case(layout="thd", tokens=THD_TOKENS[cp_size], source="cu", cp_size=cp_size,
+                       cp_rank=rank)  # fmt: skip
+        yield Case(layout="sbhd", tokens=(4, 2), cp_size=cp_size, cp_rank=cp_size - 1)
+        yield Case(layout="bshd", tokens=(2, 6), cp_size=cp_size, cp_rank=1)
+    for dtype, table_dtype in itertools.product(
+        (torch.float32, torch.float16, torch.bfloat16),
+        (torch.float32, torch.bfloat16, torch.float16),
+    ):
+        yield Case(dtype=dtype, table_dtype=table_dtype)
+    for rope in (32, 128):
+        yield Case(rope=rope)
+    for nope in (0, 1, 5, 128, 512):
+        yield Case(nope=nope, tokens=(3, 1) if nope >= 128 else (5, 2))
+    for heads in (1, 2, 5, 7, 16, 33):
+        yield Case(heads=heads, tokens=(2, 2))
+    for il, il_out, inv in itertools.product((True, False), (True, False), (False, True)):
+        yield Case(layout="thd", tokens=(15,), source="cu", interleaved=il,
+                   interleaved_out=il_out, inverse=inv)  # fmt: skip
+    yield Case(strided=True)
+    yield Case(strided=True, layout="bshd", tokens=(2, 3))
+    yield Case(strided=True, layout="thd", tokens=(15,), source="cu")
+
+
+CASES = list(cases())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_q_matrix(case: Case, device):
+    check_case(case, device)
+
+
+def candidate_configs(n_tokens: int, heads: int, nope: int, rope: int) -> list[QLaunchConfig]:
+    """The heuristic's pick and the other tilings it can produce for other shapes."""
+    picked = choose_q_config(n_tokens, heads, nope, rope)
+    others = [
+        QLaunchConfig(block_t, block_h, block_n, warps)
+        for block_t, block_h, block_n, warps in (
+            (1, 1, 16, 1), (1, 2, 32, 1), (2, 4, 16, 2), (4, 8, 64, 4), (8, 1, 128, 8),
+            (1, 16, 16, 4),
+        )
+    ]  # fmt: skip
+    return [picked, *others]
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_q_identical_for_every_launch_config(layout, device):
+    case = Case(layout=layout, tokens=(6, 2) if layout == "sbhd" else (15,),
+                source="cu" if layout == "thd" else "seq", heads=5, nope=24)  # fmt: skip
+    q, cos, sin, kwargs = make_inputs(case, device)
+    q, cos2d, sin2d, positions = checked(q, cos, sin, case, kwargs)
+    n_tokens = q.shape[0] * (q.shape[1] if q.dim() == 4 else 1)
+    for transpose in (False, True):
+        results = [
+            launch(q, cos2d, sin2d, positions, case, transpose=transpose, config=config)
+            for config in candidate_configs(n_tokens, case.heads, case.nope, case.rope)
+        ]
+        for other in results[1:]:
+            assert torch.equal(other, results[0])
+        inplace = q.clone()
+        launch(inplace, cos2d, sin2d, positions, case, transpose=transpose, inplace=True,
+               config=QLaunchConfig(1, 2, 16, 1))  # fmt: skip
+        assert torch.equal(inplace, results[0])
+
+
+def test_q_repeated_runs_bitwise(device):
+    case = Case(layout="thd", tokens=(15,), source="cu")
+    q, cos, sin, kwargs = make_inputs(case, device)
+    first = mlarope.apply_rope_q(q, cos, sin, **kwargs)
+    for _ in range(5):
+        assert torch.equal(
+            mlarope.apply_rope_q(q, cos, sin, **kwargs).nan_to_num(1), first.nan_to_num(1)
+        )
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_q_public_api_autograd(inplace, device):
+    """Gradients through the public API equal the backward kernel on the upstream gradient."""
+    case = Case(layout="thd", tokens=(15,), source="cu", dtype=torch.float32)
+    q0, cos, sin, kwargs = make_inputs(case, device)
+    leaf = q0.clone().requires_grad_(True)
+    x = leaf * 1.0 if inplace else leaf
+    out = mlarope.apply_rope_q(x, cos, sin, inplace=inplace, **kwargs)
+    if inplace:
+        assert out is x, "in place returns its input"
+    else:
+        assert torch.equal(leaf.detach(), q0), "out of place leaves its input untouched"
+    grad = torch.randn_like(out)
+    (out * grad).sum().backward()
+    qc, cos2d, sin2d, positions = checked(q0, cos, sin, case, kwargs)
+    forward = launch(qc, cos2d, sin2d, positions, case, transpose=False)
+    assert torch.equal(out.detach(), forward)
+    expected = launch(grad, cos2d, sin2d, positions, case, transpose=True)
+    if inplace:
+        expected[..., : case.nope] = grad[..., : case.nope]
+    assert torch.equal(leaf.grad, expected)
+
+
+def test_q_inplace_caught_by_version_counter(device):
+    leaf = torch.randn(4, 2, 3, 16 + 32, device=device, requires_grad=True)
+    cos, sin = random_tables(8, 32, torch.float32, device)
+    x = leaf * 1.0
+    saved = x.sin()  # sin saves x for its backward
+    mlarope.apply_rope_q(x, cos, sin, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
+def test_q_inplace_without_grad_bumps_version(device):
+    x = torch.randn(4, 2, 3, 16 + 32, device=device)
+    cos, sin = random_tables(8, 32, torch.float32, device)
+    before = x._version
+    mlarope.apply_rope_q(x, cos, sin, inplace=True)
+    assert x._version > before
+
+
+def test_q_torch_compile_fullgraph(device):
+    case = Case(layout="thd", tokens=(15,), source="cu", dtype=torch.float32)
+    q0, cos, sin, kwargs = make_inputs(case, device)
+
+    def f(q):
+        out = mlarope.apply_rope_q(q, cos, sin, **kwargs)
+        y = q * 1.0
+        mlarope.apply_rope_q(y, cos, sin, inplace=True, **kwargs)
+        return (out.nan_to_num(0) * 2).sum() + y.nan_to_num(0).square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    q1 = q0.clone().requires_grad_(True)
+    q2 = q0.clone().requires_grad_(True)
+    eager = f(q1)
+    eager.backward()
+    got = compiled(q2)
+    got.backward()
+    torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-5)
+    assert torch.equal(q1.grad, q2.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,min_fraction", [(torch.bfloat16, 0.9999), (torch.float16, 0.999)])
+def test_q_correctly_rounded_on_gpu(dtype, min_fraction, device):
+    """On the GPU the single rounding is round-to-nearest: compare with fp64 rounded once."""
+    q = torch.randn(512, 4, 16, 128 + 64, device=device).to(dtype)
+    cos, sin = mlarope.YarnConfig.deepseek_v3().cos_sin(4096, device=device)
+    out = mlarope.apply_rope_q(q, cos[:512], sin[:512])
+    truth = reference.apply_rope_q(q.double(), cos[:512].double(), sin[:512].double())
+    rope = slice(128, None)
+    rounded = truth[..., rope].to(dtype)
+    fraction = (out[..., rope] == rounded).double().mean().item()
+    assert fraction >= min_fraction, f"{dtype}: only {fraction:.6f} correctly rounded"
+
+
+@pytest.mark.gpu
+def test_q_cuda_graph_capture(device):
+    q = torch.randn(8, 128, 192, device=device, dtype=torch.bfloat16)
+    cos, sin = mlarope.YarnConfig.deepseek_v3().cos_sin(4096, device=device)
+    ids = torch.randint(0, 4096, (8,), device=device)
+    expected = mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids)
+    static_out = torch.empty_like(expected)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            static_out.copy_(mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out.copy_(mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids))
+    static_out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, expected)
