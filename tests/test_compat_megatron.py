@@ -1,0 +1,560 @@
+"""mlarope.compat.megatron against an independent fp64 restatement of Megatron-Core's semantics.
+
+The reference below is written from Megatron-Core's ``fused_mla_yarn_rope_apply.py`` and its
+unfused twin ``rope_utils._apply_rotary_pos_emb_bshd`` (NVIDIA/Megatron-LM e4ba3a30f2d8), per
+token, in float64, without mlarope:
+
+- rope channels are interleaved pairs ``a_j = x[N + 2j]``, ``b_j = x[N + 2j + 1]``;
+- ``a' = a * cos[p, j] - b * sin[p, j]``, ``b' = b * cos[p, half + j] + a * sin[p, half + j]``
+  (``inverse`` negates sin);
+- written as halves ``[a', b']``, or as pairs ``(a'_j, b'_j)`` with ``remove_interleaving``;
+- sbhd: ``p = s`` (Megatron's sbhd tables are CP-local); thd: ``cu_seqlens`` are global, the
+  local cumulative lengths are ``cu // cp_size``, and local offset ``o`` of a sequence of local
+  length ``L`` maps to ``r * L/2 + o`` (first half) or ``(2 cp - 1 - r) * L/2 + o - L/2``.
+- thd rows past the last sequence are padding: Megatron rotates them with table row 0 (a
+  documented difference); mlarope passes them through unrotated, in the output layout.
+
+Tolerances follow mlarope's error model (fp32 arithmetic, one rounding): per element, 1 ulp of
+the output dtype at the reference value plus ``c * 2**-24 * sum(|terms|)``, where ``c`` is 4 for a
+rotation and ``H + 4`` for the ``k_pos_emb`` gradient (a sum over ``H`` heads first).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+import mlarope
+from mlarope.compat import megatron as mm
+
+H, N, R = 3, 4, 32  # heads, nope channels, rope channels (mlarope: R in 32, 64, 128)
+K, V = 4, 6  # key-nope and value widths
+S, B = 6, 2  # sbhd sequence and batch
+P = 16  # table rows
+CU = [0, 8, 12, 24]  # global cumulative lengths, multiples of 2 * cp_size for cp_size <= 2
+PAD = 2  # thd padding rows after the last sequence
+U32 = 2.0**-24
+
+# (layout, cp_size, cp_rank)
+CASES = [("sbhd", 1, 0), ("sbhd", 2, 1), ("thd", 1, 0), ("thd", 2, 0), ("thd", 2, 1)]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _id(case: tuple[str, int, int]) -> str:
+    return f"{case[0]}-cp{case[1]}r{case[2]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the independent reference
+# ---------------------------------------------------------------------------------------------
+
+
+def megatron_positions(layout: str, cp_size: int, cp_rank: int) -> list[int | None]:
+    """Table row of every token row (rows flattened s-major for sbhd); None for padding."""
+    if layout == "sbhd":
+        return [s for s in range(S) for _ in range(B)]
+    local = [c // cp_size for c in CU]
+    out: list[int | None] = []
+    for row in range(local[-1] + PAD):
+        pos = None
+        for i in range(len(CU) - 1):
+            if local[i] <= row < local[i + 1]:
+                o, length = row - local[i], local[i + 1] - local[i]
+                h = length // 2
+                pos = cp_rank * h + o if o < h else (2 * cp_size - 1 - cp_rank) * h + (o - h)
+        out.append(pos)
+    return out
+
+
+def rotate_rows(
+    x: torch.Tensor,
+    pos: list[int | None],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inverse: bool,
+    pairs_out: bool,
+    absolute: bool = False,
+) -> torch.Tensor:
+    """``x: [M, H, R]`` interleaved rope channels (fp64) -> rotated ``[M, H, R]``.
+
+    ``absolute=True`` uses ``|cos|``, ``|sin|`` and only additions: the same linear map with
+    every coefficient replaced by its magnitude (for error bounds).
+    """
+    half = x.shape[-1] // 2
+    rows = []
+    for m, p in enumerate(pos):
+        a, b = x[m, :, 0::2], x[m, :, 1::2]
+        if p is None:  # padding: unrotated
+            oa, ob = a, b
+        else:
+            c1, c2 = cos[p, :half], cos[p, half:]
+            s1, s2 = sin[p, :half], sin[p, half:]
+            if inverse:
+                s1, s2 = -s1, -s2
+            if absolute:
+                oa = a * c1.abs() + b * s1.abs()
+                ob = b * c2.abs() + a * s2.abs()
+            else:
+                oa = a * c1 - b * s1
+                ob = b * c2 + a * s2
+        rows.append(torch.stack((oa, ob), -1).flatten(-2) if pairs_out else torch.cat((oa, ob), -1))
+    return torch.stack(rows)
+
+
+def ref_q(x, pos, cos, sin, inverse=False, pairs_out=False, absolute=False):
+    """``x: [..., H, N + R]`` fp64 -> Megatron's query output, fp64."""
+    shape = x.shape
+    rows = x.reshape(-1, H, N + R)
+    rope = rotate_rows(rows[..., N:], pos, cos, sin, inverse, pairs_out, absolute)
+    return torch.cat((rows[..., :N], rope), -1).reshape(shape)
+
+
+def ref_kv(kv, kpe, pos, cos, sin, pairs_out=False, absolute=False):
+    """``kv: [..., H, K + V]``, ``kpe: [..., 1, R]`` fp64 -> (key, value), fp64."""
+    tokens = kv.shape[:-2]
+    rows = kv.reshape(-1, H, K + V)
+    rope = rotate_rows(kpe.reshape(-1, 1, R), pos, cos, sin, False, pairs_out, absolute)
+    key = torch.cat((rows[..., :K], rope.expand(-1, H, R)), -1)
+    return key.reshape(*tokens, H, K + R), rows[..., K:].reshape(*tokens, H, V)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def make_tables(dtype: torch.dtype, device="cpu", seed: int = 0):
+    """Megatron-style ``[P, 1, 1, R]`` tables in the activation dtype.
+
+    The angles of the two halves differ on purpose (real tables repeat them), so that mixing
+    up ``cos[j]`` and ``cos[half + j]`` is caught; the 1.3 plays YaRN's folded mscale.
+    """
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.rand(P, R, generator=g, dtype=torch.float64) * 2 * math.pi
+    cos, sin = (1.3 * theta.cos()).to(dtype), (1.3 * theta.sin()).to(dtype)
+    return cos.view(P, 1, 1, R).to(device), sin.view(P, 1, 1, R).to(device)
+
+
+def tables64(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return cos.double().cpu().reshape(-1, R), sin.double().cpu().reshape(-1, R)
+
+
+def tokens_shape(layout: str, cp_size: int) -> tuple[int, ...]:
+    return (S, B) if layout == "sbhd" else (CU[-1] // cp_size + PAD,)
+
+
+def cu_arg(layout: str, device="cpu") -> torch.Tensor | None:
+    return None if layout == "sbhd" else torch.tensor(CU, dtype=torch.int32, device=device)
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, device="cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype).to(device)
+
+
+def f64(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().double().cpu()
+
+
+def assert_within(actual, ref, mag, dtype, terms: float, what: str) -> None:
+    """``|actual - ref| <= ulp_dtype(ref) + terms * 2**-24 * mag``, element by element."""
+    assert actual.shape == ref.shape, (what, actual.shape, ref.shape)
+    assert actual.dtype == dtype, (what, actual.dtype)
+    actual = f64(actual)
+    fi = torch.finfo(dtype)
+    ulp = fi.eps * torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(fi.tiny))))
+    tol = ulp + terms * U32 * mag
+    err = (actual - ref).abs()
+    bad = ~(err <= tol)
+    if bad.any():
+        i = int((err - tol).argmax())
+        pytest.fail(
+            f"{what}: {int(bad.sum())} of {err.numel()} elements off; worst at flat index {i}: "
+            f"got {actual.flatten()[i].item()!r}, want {ref.flatten()[i].item()!r}, "
+            f"tolerance {tol.flatten()[i].item():.3g}"
+        )
+
+
+def q_reference(x, g, pos, cos, sin, inverse, pairs_out):
+    """Reference output and input gradient for upstream ``g``, with their error magnitudes."""
+    c64, s64 = tables64(cos, sin)
+    x64, g64 = f64(x).requires_grad_(), f64(g)
+    out = ref_q(x64, pos, c64, s64, inverse, pairs_out)
+    (grad,) = torch.autograd.grad(out, x64, g64)
+    mag_out = ref_q(x64.detach().abs(), pos, c64, s64, inverse, pairs_out, absolute=True)
+    absout = ref_q(x64, pos, c64, s64, inverse, pairs_out, absolute=True)
+    (mag_grad,) = torch.autograd.grad(absout, x64, g64.abs())
+    return out.detach(), grad, mag_out, mag_grad
+
+
+# ---------------------------------------------------------------------------------------------
+# query
+# ---------------------------------------------------------------------------------------------
+
+# (function, inverse, remove_interleaving); the legacy function has neither argument.
+Q_VARIANTS = [
+    ("fused_apply_mla_rope_for_q", False, False),
+    ("fused_mla_rope_inplace", False, False),
+    ("fused_mla_rope_inplace", True, False),
+    ("fused_mla_rope_inplace", False, True),
+    ("fused_mla_rope_inplace", True, True),
+    ("fused_mla_rope_out_of_place", False, False),
+    ("fused_mla_rope_out_of_place", True, True),
+]
+
+
+def call_q(name, t, cos, sin, cu, cp_rank, cp_size, inverse, ril, position_ids=None):
+    fn = getattr(mm, name)
+    if name == "fused_apply_mla_rope_for_q":  # positional, as multi_latent_attention.py calls it
+        assert not inverse and not ril and position_ids is None
+        return fn(t, cos, sin, N, R, cu, cp_rank, cp_size)
+    return fn(
+        t, cos, sin, N, R, cu_seqlens_q=cu, cp_rank=cp_rank, cp_size=cp_size, inverse=inverse,
+        remove_interleaving=ril, position_ids=position_ids,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("variant", Q_VARIANTS, ids=lambda v: f"{v[0]}-inv{v[1]:d}-ril{v[2]:d}")
+def test_q_matches_megatron(variant, case, dtype, device):
+    name, inverse, ril = variant
+    layout, cp_size, cp_rank = case
+    inplace = name != "fused_mla_rope_out_of_place"
+    cos, sin = make_tables(dtype, device)
+    shape = (*tokens_shape(layout, cp_size), H, N + R)
+    leaf = randn(*shape, dtype=dtype, seed=1, device=device).requires_grad_()
+    g = randn(*shape, dtype=dtype, seed=2, device=device)
+    pos = megatron_positions(layout, cp_size, cp_rank)
+    want, want_grad, mag, mag_grad = q_reference(leaf, g, pos, cos, sin, inverse, ril)
+
+    t = leaf.clone()  # a non-leaf, as Megatron's q (a view of a projection) is
+    before = t.detach().clone()
+    out = call_q(name, t, cos, sin, cu_arg(layout, device), cp_rank, cp_size, inverse, ril)
+
+    if inplace:
+        assert out.data_ptr() == t.data_ptr()  # Megatron returns t's storage, rotated
+        assert torch.equal(t.detach(), out.detach())
+    else:
+        assert out.data_ptr() != t.data_ptr()
+        assert torch.equal(t.detach(), before)  # input untouched
+    assert torch.equal(out.detach()[..., :N], before[..., :N])  # nope channels exact
+    assert_within(out, want, mag, dtype, 4, "output")
+
+    out.backward(g)
+    assert_within(leaf.grad, want_grad, mag_grad, dtype, 4, "grad t")
+    assert torch.equal(leaf.grad[..., :N], g[..., :N])
+
+
+@pytest.mark.parametrize("name", ["fused_mla_rope_inplace", "fused_mla_rope_out_of_place"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q_position_ids(name, dtype, device):
+    """thd position_ids replace the cu_seqlens/CP mapping (cp_rank/cp_size then play no part)."""
+    cos, sin = make_tables(dtype, device, seed=3)
+    T = 10
+    leaf = randn(T, H, N + R, dtype=dtype, seed=4, device=device).requires_grad_()
+    g = randn(T, H, N + R, dtype=dtype, seed=5, device=device)
+    ids = [0, 15, 3, 3, 7, 1, 14, 2, 9, 0]
+    want, want_grad, mag, mag_grad = q_reference(leaf, g, ids, cos, sin, True, True)
+    ids_t = torch.tensor(ids, dtype=torch.int64, device=device)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32, device=device)  # ignored, as in Megatron
+    out = call_q(name, leaf.clone(), cos, sin, cu, 1, 2, True, True, position_ids=ids_t)
+    assert_within(out, want, mag, dtype, 4, "output")
+    out.backward(g)
+    assert_within(leaf.grad, want_grad, mag_grad, dtype, 4, "grad t")
+
+
+def test_q_inverse_undoes_forward(device):
+    """With a real (unit, half-repeated) table, ``inverse`` undoes the rotation.
+
+    ``remove_interleaving=True`` keeps the pairs where they were, so the inverse call reads what
+    the forward call wrote; the nope channels pass through both.
+    """
+    inv_freq = 10000.0 ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+    theta = torch.arange(P, dtype=torch.float64)[:, None] * inv_freq
+    theta = torch.cat((theta, theta), -1)
+    cos = theta.cos().float().view(P, 1, 1, R).to(device)
+    sin = theta.sin().float().view(P, 1, 1, R).to(device)
+    x = randn(S, B, H, N + R, dtype=torch.float32, seed=7, device=device)
+    y = mm.fused_mla_rope_out_of_place(x, cos, sin, N, R, remove_interleaving=True)
+    z = mm.fused_mla_rope_out_of_place(y, cos, sin, N, R, inverse=True, remove_interleaving=True)
+    # two fp32 rotations by a table rounded to fp32: a few units of 2^-24 of |x|-sized terms
+    pos = megatron_positions("sbhd", 1, 0)
+    c64, s64 = tables64(cos, sin)
+    absx = f64(x).abs()
+    mag = ref_q(ref_q(absx, pos, c64, s64, False, True, True), pos, c64, s64, True, True, True)
+    assert_within(z, f64(x), mag, torch.float32, 16, "round trip")
+
+
+def test_q_in_place_on_a_projection_view(device):
+    """As multi_latent_attention.py calls it: ``q`` is a view of a linear layer's output.
+
+    The rotation lands in the projection's storage, and the weight gradient equals the one
+    through the out-of-place function (the same backward op, so bitwise).
+    """
+    cos, sin = make_tables(torch.float32, device, seed=18)
+    x = randn(S, B, 5, dtype=torch.float32, seed=19, device=device)
+    g = randn(S, B, H, N + R, dtype=torch.float32, seed=20, device=device)
+    grads = []
+    for name in ("fused_apply_mla_rope_for_q", "fused_mla_rope_out_of_place"):
+        w = randn(5, H * (N + R), dtype=torch.float32, seed=21, device=device).requires_grad_()
+        proj = x @ w  # [S, B, H * (N + R)]
+        q = proj.view(S, B, H, N + R)
+        out = getattr(mm, name)(q, cos, sin, N, R)
+        if name == "fused_apply_mla_rope_for_q":
+            assert out.data_ptr() == proj.data_ptr()
+            assert torch.equal(proj.detach().view_as(out), out.detach())
+        out.backward(g)
+        grads.append(w.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_q_accepts_mlarope_fp32_tables(dtype, device):
+    """mlarope's own ``[P, R]`` fp32 tables (exact) work for any activation dtype."""
+    cfg = mlarope.YarnConfig(
+        dim=R, base=10000.0, factor=40.0, original_max_position_embeddings=4,
+        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+    )  # fmt: skip
+    cos, sin = cfg.cos_sin(P, device=device)
+    assert cos.shape == (P, R) and cos.dtype == torch.float32
+    x = randn(S, B, H, N + R, dtype=dtype, seed=22, device=device)
+    out = mm.fused_mla_rope_out_of_place(x, cos, sin, N, R)
+    pos = megatron_positions("sbhd", 1, 0)
+    c64, s64 = tables64(cos, sin)
+    want = ref_q(f64(x), pos, c64, s64)
+    mag = ref_q(f64(x).abs(), pos, c64, s64, absolute=True)
+    assert_within(out, want, mag, dtype, 4, "output")
+
+
+# ---------------------------------------------------------------------------------------------
+# key/value
+# ---------------------------------------------------------------------------------------------
+
+KV_VARIANTS = [
+    ("fused_apply_mla_rope_for_kv", False),
+    ("fused_mla_rope_kv_split", False),
+    ("fused_mla_rope_kv_split", True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("variant", KV_VARIANTS, ids=lambda v: f"{v[0]}-ril{v[1]:d}")
+def test_kv_matches_megatron(variant, case, dtype, device):
+    name, ril = variant
+    layout, cp_size, cp_rank = case
+    cos, sin = make_tables(dtype, device, seed=8)
+    tokens = tokens_shape(layout, cp_size)
+    kv = randn(*tokens, H, K + V, dtype=dtype, seed=9, device=device).requires_grad_()
+    kpe = randn(*tokens, 1, R, dtype=dtype, seed=10, device=device).requires_grad_()
+    gk = randn(*tokens, H, K + R, dtype=dtype, seed=11, device=device)
+    gv = randn(*tokens, H, V, dtype=dtype, seed=12, device=device)
+    pos = megatron_positions(layout, cp_size, cp_rank)
+    c64, s64 = tables64(cos, sin)
+
+    kv64, kpe64 = f64(kv).requires_grad_(), f64(kpe).requires_grad_()
+    key64, val64 = ref_kv(kv64, kpe64, pos, c64, s64, ril)
+    dkv64, dkpe64 = torch.autograd.grad((key64, val64), (kv64, kpe64), (f64(gk), f64(gv)))
+    mag_key, _ = ref_kv(kv64.detach().abs(), kpe64.detach().abs(), pos, c64, s64, ril, True)
+    akey, _ = ref_kv(kv64, kpe64, pos, c64, s64, ril, True)
+    (mag_dkpe,) = torch.autograd.grad(akey, kpe64, f64(gk).abs())
+
+    fn = getattr(mm, name)
+    cu = cu_arg(layout, device)
+    if name == "fused_apply_mla_rope_for_kv":  # positional, as multi_latent_attention.py does
+        key, value = fn(kv, kpe, cos, sin, R, K, V, cu, cp_rank, cp_size)
+    else:
+        key, value = fn(
+            kv, kpe, cos, sin, R, K, V, cu_seqlens_kv=cu, cp_rank=cp_rank, cp_size=cp_size,
+            remove_interleaving=ril,
+        )  # fmt: skip
+
+    assert value.untyped_storage().data_ptr() != kv.untyped_storage().data_ptr()  # a new tensor
+    assert torch.equal(key.detach()[..., :K], kv.detach()[..., :K])
+    assert torch.equal(value.detach(), kv.detach()[..., K:])
+    assert_within(key, key64.detach(), mag_key, dtype, 4, "key")
+    rope = key.detach()[..., K:]
+    assert torch.equal(rope, rope[..., :1, :].expand_as(rope))  # the same for every head
+
+    torch.autograd.backward((key, value), (gk, gv))
+    assert torch.equal(f64(kv.grad), dkv64)  # dkv: plain copies of dk's nope part and dv
+    assert_within(kpe.grad, dkpe64, mag_dkpe, dtype, H + 4, "grad k_pos_emb")
+
+
+# ---------------------------------------------------------------------------------------------
+# behaviour around autograd and aliasing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_inplace_on_grad_leaf_raises_and_no_grad_works(device):
+    cos, sin = make_tables(torch.float32, device)
+    leaf = randn(S, B, H, N + R, dtype=torch.float32, seed=13, device=device).requires_grad_()
+    for name in ("fused_mla_rope_inplace", "fused_apply_mla_rope_for_q"):
+        with pytest.raises(ValueError, match="leaf"):
+            getattr(mm, name)(leaf, cos, sin, N, R)
+    with torch.no_grad():
+        out = mm.fused_mla_rope_inplace(leaf, cos, sin, N, R)
+    assert out.data_ptr() == leaf.data_ptr()
+
+
+def test_inplace_on_tensor_saved_for_backward_raises_at_backward(device):
+    """Megatron's kernel silently corrupted the saved tensor; mlarope declares the mutation."""
+    cos, sin = make_tables(torch.float32, device)
+    leaf = randn(S, B, H, N + R, dtype=torch.float32, seed=14, device=device).requires_grad_()
+    t = leaf * 2.0
+    saved = t * t  # mul saves t for its backward
+    mm.fused_mla_rope_inplace(t, cos, sin, N, R)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
+def test_out_of_place_on_tensor_saved_for_backward_is_safe(device):
+    cos, sin = make_tables(torch.float32, device)
+    leaf = randn(S, B, H, N + R, dtype=torch.float32, seed=15, device=device).requires_grad_()
+    t = leaf * 2.0
+    saved = t * t
+    out = mm.fused_mla_rope_out_of_place(t, cos, sin, N, R, inverse=True)
+    (saved.sum() + out.sum()).backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# signatures and argument checks
+# ---------------------------------------------------------------------------------------------
+
+_Q_NEW = [
+    ("t", inspect.Parameter.empty), ("cos", inspect.Parameter.empty),
+    ("sin", inspect.Parameter.empty), ("nope_dim", inspect.Parameter.empty),
+    ("emb_dim", inspect.Parameter.empty), ("cu_seqlens_q", None), ("cp_rank", 0),
+    ("cp_size", 1), ("rotary_interleaved", False), ("inverse", False),
+    ("remove_interleaving", False), ("position_ids", None),
+]  # fmt: skip
+_KV = [
+    ("kv", inspect.Parameter.empty), ("k_pos_emb", inspect.Parameter.empty),
+    ("cos", inspect.Parameter.empty), ("sin", inspect.Parameter.empty),
+    ("emb_dim", inspect.Parameter.empty), ("k_dim", inspect.Parameter.empty),
+    ("v_dim", inspect.Parameter.empty), ("cu_seqlens_kv", None), ("cp_rank", 0),
+    ("cp_size", 1), ("rotary_interleaved", False),
+]  # fmt: skip
+SIGNATURES = {
+    "fused_apply_mla_rope_for_q": [*_Q_NEW[:3], ("qk_head_dim", inspect.Parameter.empty),
+                                   *_Q_NEW[4:9]],
+    "fused_mla_rope_inplace": _Q_NEW,
+    "fused_mla_rope_out_of_place": _Q_NEW,
+    "fused_apply_mla_rope_for_kv": _KV,
+    "fused_mla_rope_kv_split": [*_KV, ("remove_interleaving", False)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_signature_matches_megatron(name):
+    params = list(inspect.signature(getattr(mm, name)).parameters.values())
+    positional = [(p.name, p.default) for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == SIGNATURES[name]
+    extra = [p for p in params if p.kind is not p.POSITIONAL_OR_KEYWORD]
+    assert all(p.kind is p.KEYWORD_ONLY for p in extra)  # extras never shift positions
+    assert name in mm.__all__
+
+
+def _q_args(**over):
+    cos, sin = make_tables(torch.float32)
+    args = dict(t=torch.zeros(S, B, H, N + R), cos=cos, sin=sin, nope_dim=N, emb_dim=R)
+    args.update(over)
+    return args
+
+
+THD_Q = torch.zeros(CU[-1], H, N + R)
+CU_T = torch.tensor(CU, dtype=torch.int32)
+
+Q_BAD = [
+    (dict(rotary_interleaved=True), ValueError, "rotary_interleaved"),
+    (dict(emb_dim=R - 2), ValueError, "emb_dim"),
+    (dict(emb_dim=0), ValueError, "emb_dim"),
+    (dict(nope_dim=5), ValueError, "nope_dim"),
+    (dict(nope_dim=True), TypeError, "nope_dim"),
+    (dict(nope_dim=4.0), TypeError, "nope_dim"),
+    (dict(t=torch.zeros(S, H, N + R)), ValueError, "t must be"),
+    (dict(t=THD_Q), ValueError, "cu_seqlens_q is None"),
+    (dict(t=torch.zeros(S, B, H, N + R), cu_seqlens_q=CU_T), ValueError, "thd"),
+    (dict(t="q"), TypeError, "t must be a torch.Tensor"),
+    (dict(cos=None), TypeError, "cos"),
+    (dict(sin=torch.zeros(P, 1, 1, R + 2)), ValueError, "sin"),
+    (dict(cp_size=0), ValueError, "cp_size"),
+    (dict(cp_rank=2, cp_size=2), ValueError, "cp_rank"),
+    (dict(cp_rank=-1), ValueError, "cp_rank"),
+    (dict(inverse=1), TypeError, "inverse"),
+    (dict(remove_interleaving=None), TypeError, "remove_interleaving"),
+    (dict(t=THD_Q, cu_seqlens_q=CU_T.float()), ValueError, "cu_seqlens_q"),
+    (dict(t=THD_Q, cu_seqlens_q=CU_T.view(2, 2)), ValueError, "cu_seqlens_q"),
+    (dict(position_ids=torch.zeros(S, dtype=torch.int64)), ValueError, "position_ids"),
+    (dict(t=THD_Q, cu_seqlens_q=CU_T, position_ids=torch.zeros(3, dtype=torch.int64)),
+     ValueError, "position_ids"),
+    (dict(t=THD_Q, cu_seqlens_q=CU_T, position_ids=torch.zeros(CU[-1])), ValueError,
+     "position_ids"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("over, exc, match", Q_BAD, ids=lambda v: None)
+@pytest.mark.parametrize("name", ["fused_mla_rope_inplace", "fused_mla_rope_out_of_place"])
+def test_q_bad_arguments(name, over, exc, match):
+    with pytest.raises(exc, match=match):
+        getattr(mm, name)(**_q_args(**over))
+
+
+def test_legacy_q_names_qk_head_dim():
+    cos, sin = make_tables(torch.float32)
+    with pytest.raises(ValueError, match="qk_head_dim"):
+        mm.fused_apply_mla_rope_for_q(torch.zeros(S, B, H, N + R), cos, sin, N + 1, R)
+
+
+def test_mlarope_errors_name_the_megatron_function():
+    """A table too short for the sequence is caught by mlarope and reported under our name."""
+    cos, sin = make_tables(torch.float32)
+    with pytest.raises(ValueError, match="fused_apply_mla_rope_for_q"):
+        mm.fused_apply_mla_rope_for_q(torch.zeros(P + 1, B, H, N + R), cos, sin, N, R)
+
+
+def _kv_args(**over):
+    cos, sin = make_tables(torch.float32)
+    args = dict(
+        kv=torch.zeros(S, B, H, K + V), k_pos_emb=torch.zeros(S, B, 1, R), cos=cos, sin=sin,
+        emb_dim=R, k_dim=K, v_dim=V,
+    )  # fmt: skip
+    args.update(over)
+    return args
+
+
+KV_BAD = [
+    (dict(rotary_interleaved=True), ValueError, "rotary_interleaved"),
+    (dict(v_dim=V + 1), ValueError, "k_dim \\+ v_dim"),
+    (dict(k_dim=0), ValueError, "k_dim"),
+    (dict(emb_dim=R + 2), ValueError, "emb_dim"),
+    (dict(k_pos_emb=torch.zeros(S, B, 1, R + 2)), ValueError, "k_pos_emb"),
+    (dict(k_pos_emb=torch.zeros(S, B + 1, 1, R)), ValueError, "k_pos_emb"),
+    (dict(k_pos_emb=torch.zeros(S, B, 1, R, dtype=torch.bfloat16)), TypeError, "k_pos_emb"),
+    (dict(kv=torch.zeros(S, H, K + V)), ValueError, "kv must be"),
+    (dict(cu_seqlens_kv=CU_T), ValueError, "kv must be"),
+    (dict(cp_rank=1), ValueError, "cp_rank"),
+    (dict(remove_interleaving=0), TypeError, "remove_interleaving"),
+    (dict(kv=None), TypeError, "kv"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("over, exc, match", KV_BAD, ids=lambda v: None)
+def test_kv_bad_arguments(over, exc, match):
+    with pytest.raises(exc, match=match):
+        mm.fused_mla_rope_kv_split(**_kv_args(**over))
+
+
+def test_k_pos_emb_without_head_axis_is_accepted():
+    """``[S, B, R]`` works like ``[S, B, 1, R]`` (Megatron views it flat too)."""
+    cos, sin = make_tables(torch.float32)
+    kv = randn(S, B, H, K + V, dtype=torch.float32, seed=16)
+    kpe = randn(S, B, 1, R, dtype=torch.float32, seed=17)
+    k1, v1 = mm.fused_apply_mla_rope_for_kv(kv, kpe, cos, sin, R, K, V)
+    k2, v2 = mm.fused_apply_mla_rope_for_kv(kv, kpe.view(S, B, R), cos, sin, R, K, V)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
