@@ -1,0 +1,7 @@
+"""``python -m mlarope`` (see :mod:`mlarope.cli`)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""A deliberately racy in-place kernel: the negative control of the stress harness.
+
+It does what the incumbent fused MLA RoPE kernel does in its in-place path: each program loads
+a ``[BLOCK_H, R]`` tile of interleaved pairs ``(x[2j], x[2j+1])``, rotates them and stores the
+result half-split (``x[j]``, ``x[half+j]``) into the same memory, *without* a barrier between
+the loads and the stores. Element ``x[k]`` is loaded by the thread that owns pair ``k // 2`` and
+stored by the thread that owns output ``k``; when those threads sit in different warps nothing
+orders the store after the load, so a late warp can read an already-rotated value.
+
+Never used by the library. It exists so that ``python -m mlarope stress`` can show that its
+harness sees races: the control must fail where ours never does. (Under Triton's interpreter
+programs and threads run one after another, so the control never races there.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _racy_rope_inplace_kernel(
+    x_ptr,  # [T, H, N + R], rotated in place
+    cos_ptr,
+    sin_ptr,  # [P, R]
+    pos_ptr,  # [T] int64 positions
+    n_heads,
+    n_nope,
+    stride_xt,
+    stride_xh,
+    stride_table,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, HALF)
+    m = (o_h < n_heads)[:, None] & (j < HALF)[None, :]
+    row = x_ptr + i_t * stride_xt + o_h.to(tl.int64)[:, None] * stride_xh + n_nope
+    pos = tl.load(pos_ptr + i_t)
+    c_a = tl.load(cos_ptr + pos * stride_table + j).to(tl.float32)[None, :]
+    c_b = tl.load(cos_ptr + pos * stride_table + HALF + j).to(tl.float32)[None, :]
+    s_a = tl.load(sin_ptr + pos * stride_table + j).to(tl.float32)[None, :]
+    s_b = tl.load(sin_ptr + pos * stride_table + HALF + j).to(tl.float32)[None, :]
+    a = tl.load(row + 2 * j[None, :], mask=m).to(tl.float32)
+    b = tl.load(row + 2 * j[None, :] + 1, mask=m).to(tl.float32)
+    out_a = a * c_a - b * s_a
+    out_b = b * c_b + a * s_b
+    # The bug: no barrier here.
+    tl.store(row + j[None, :], out_a.to(x_ptr.dtype.element_ty), mask=m)
+    tl.store(row + HALF + j[None, :], out_b.to(x_ptr.dtype.element_ty), mask=m)
+
+
+def racy_rope_inplace(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    block_h: int = 2,
+    num_warps: int = 4,
+) -> None:
+    """Rotate ``x: [T, H, N + R]`` (interleaved in, half-split out) in place, racily.
+
+    ``cos, sin: [P, R]`` contiguous; ``positions: [T]`` int64, in range.
+    """
+    n_tokens, n_heads, width = x.shape
+    rope_dim = cos.shape[-1]
+    grid = (n_tokens, triton.cdiv(n_heads, block_h))
+    _racy_rope_inplace_kernel[grid](
+        x, cos, sin, positions, n_heads, width - rope_dim, x.stride(0), x.stride(1),
+        cos.stride(0), HALF=rope_dim // 2, BLOCK_H=block_h, num_warps=num_warps,
+    )  # fmt: skip

@@ -1,0 +1,359 @@
+"""``python -m mlarope stress``: randomized trials of both ops against the fp64 reference.
+
+Each trial draws an op (query or key/value), a layout and position source (sbhd, bshd, thd with
+``cu_seqlens`` incl. empty and one-token sequences and a padded tail, explicit ids, context
+parallel ranks), a shape, dtypes, interleaving, in place or not, and a launch configuration
+(the heuristic's or another valid tiling); it runs forward and backward through the launchers
+with NaN-poisoned outputs and counts the elements outside DESIGN.md's error model.
+
+The negative control runs the deliberately racy in-place kernel
+(:mod:`mlarope.kernels.racy_control`) through the same comparison, to show that the harness
+sees races where they exist. The interpreter runs programs one after another, so there the
+control cannot race; its failure rate is a GPU figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import reference
+from ._checks import Positions
+from .kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
+from .kernels.q import QLaunchConfig, rope_q_launch
+from .testing import poisoned_like, rope_tolerance, wrong_elements
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Trial:
+    op: str
+    layout: str
+    source: str
+    tokens: tuple
+    heads: int
+    nope: int
+    rope: int
+    v_dim: int
+    dtype: str
+    table_dtype: str
+    interleaved: bool
+    interleaved_out: bool
+    inverse: bool
+    inplace: bool
+    cp_size: int
+    cp_rank: int
+    config: tuple | None
+    seq_lens: tuple = ()
+
+
+def draw_trial(rng: random.Random, small: bool) -> Trial:
+    op = rng.choice(["q", "q", "kv"])
+    layout = rng.choice(["sbhd", "bshd", "thd", "thd"])
+    source = (
+        rng.choice(["cu", "cu", "ids", "seq"])
+        if layout == "thd"
+        else rng.choice(["seq", "seq", "ids"])
+    )
+    cp_size = rng.choice([1, 1, 2, 4]) if source != "ids" else 1
+    cp_rank = rng.randrange(cp_size)
+    rope = rng.choice([32, 64, 64, 128])
+    heads = rng.choice([1, 3, 16, 128] if not small else [1, 3, 5])
+    nope = rng.choice([0, 16, 128, 48] if not small else [0, 5, 16])
+    v_dim = rng.choice([16, 128, 40] if not small else [16, 24])
+    budget = (1 << 12) if small else (1 << 21)  # elements per tensor
+    per_token = heads * (nope + rope + v_dim)
+    max_tokens = max(2, min(4096, budget // per_token))
+    seq_lens: tuple = ()
+    if layout == "thd":
+        unit = 2 * cp_size
+        if source == "cu":
+            n_seqs = rng.choice([1, 3, 8, 64])
+            lens = [unit * rng.randrange(0, max(1, max_tokens // (n_seqs * unit)) + 1) for _ in
+                    range(n_seqs)]  # fmt: skip
+            lens[rng.randrange(n_seqs)] = unit  # a short sequence (one token per chunk)
+            seq_lens = tuple(lens)
+            n_tokens = sum(lens) // cp_size + rng.choice([0, 0, 3])  # maybe a padded tail
+        else:
+            n_tokens = max(unit, (rng.randrange(1, max_tokens) // unit) * unit)
+        tokens: tuple = (n_tokens,)
+    else:
+        seq = max(2 * cp_size, (rng.randrange(1, max(2, max_tokens // 2)) // (2 * cp_size)) * 2
+                  * cp_size)  # fmt: skip
+        batch = rng.choice([1, 2, 3])
+        tokens = (seq, batch) if layout == "sbhd" else (batch, seq)
+    variant = rng.choice(variant_pool())
+    dtype, table_dtype, interleaved, interleaved_out, inverse, inplace, config = variant
+    return Trial(
+        op=op, layout=layout, source=source, tokens=tokens, heads=heads, nope=nope, rope=rope,
+        v_dim=v_dim, dtype=dtype, table_dtype=table_dtype, interleaved=interleaved,
+        interleaved_out=interleaved_out, inverse=inverse, inplace=inplace, cp_size=cp_size,
+        cp_rank=cp_rank, config=config, seq_lens=seq_lens,
+    )  # fmt: skip
+
+
+_CONFIGS = [None, None, (1, 2, 16, 1), (2, 4, 32, 2), (4, 16, 64, 4), (1, 1, 16, 8)]
+
+
+@functools.cache
+def variant_pool(size: int = 48) -> list[tuple]:
+    """Kernel variants (the compile-time choices: dtypes, interleaving, inverse, in place,
+    launch config), drawn once from a fixed seed. Trials sample shapes and positions freely but
+    variants from this pool, so a GPU run compiles a bounded set of kernels."""
+    rng = random.Random(1234)
+    pool = []
+    for _ in range(size):
+        pool.append((
+            rng.choice(list(DTYPES)), rng.choice(["fp32", "fp32", "bf16"]), rng.random() < 0.7,
+            rng.random() < 0.3, rng.random() < 0.2, rng.random() < 0.5, rng.choice(_CONFIGS),
+        ))  # fmt: skip
+    return pool
+
+
+def _positions(trial: Trial, device, table_rows: int, gen: torch.Generator) -> Positions:
+    cu = ids = None
+    if trial.source == "cu":
+        lens = torch.tensor((0, *trial.seq_lens), dtype=torch.int64)
+        cu = lens.cumsum(0).to(torch.int32).to(device)
+    elif trial.source == "ids":
+        ids = torch.randint(0, table_rows, trial.tokens, generator=gen).to(device)
+    return Positions(trial.layout, cu, ids, trial.cp_rank, trial.cp_size)
+
+
+def _tables(rows: int, rope: int, dtype, device, gen):
+    theta = torch.rand(rows, rope, generator=gen, dtype=torch.float64) * 6.3
+    return theta.cos().to(dtype).to(device), theta.sin().to(dtype).to(device)
+
+
+def _count(out, truth, x_rope, cos, sin, positions, dtype, il_in, il_out, rope_at, terms=1):
+    tol = torch.zeros_like(truth)
+    tol[..., rope_at:] = rope_tolerance(
+        x_rope, cos, sin, positions, truth[..., rope_at:], dtype, interleaved_in=il_in,
+        interleaved_out=il_out, summed_terms=terms,
+    )  # fmt: skip
+    return wrong_elements(out, truth, tol)
+
+
+def run_q_trial(trial: Trial, device, gen) -> int:
+    dtype = DTYPES[trial.dtype]
+    table_rows = 8192
+    cos, sin = _tables(table_rows, trial.rope, DTYPES[trial.table_dtype], device, gen)
+    positions = _positions(trial, device, table_rows, gen)
+    shape = (*trial.tokens, trial.heads, trial.nope + trial.rope)
+    config = QLaunchConfig(*trial.config) if trial.config else None
+    wrong = 0
+    for transpose in (False, True):
+        x = torch.randn(shape, generator=gen).to(dtype).to(device)
+        il_in, il_out = trial.interleaved, trial.interleaved_out
+        if transpose:
+            il_in, il_out = il_out, il_in
+        out = x.clone() if trial.inplace else poisoned_like(x)
+        rope_q_launch(
+            out if trial.inplace else x, out, cos, sin, positions, interleaved_in=il_in,
+            interleaved_out=il_out, inverse=trial.inverse, transpose=transpose, config=config,
+        )  # fmt: skip
+        truth = reference.rope_q(
+            x.double(), cos.double(), sin.double(), positions, interleaved_in=il_in,
+            interleaved_out=il_out, inverse=trial.inverse, transpose=transpose,
+        )  # fmt: skip
+        wrong += _count(
+            out, truth, x[..., trial.nope :].double(), cos, sin, positions, dtype, il_in, il_out,
+            trial.nope,
+        )  # fmt: skip
+    return wrong
+
+
+def run_kv_trial(trial: Trial, device, gen) -> int:
+    dtype = DTYPES[trial.dtype]
+    table_rows = 8192
+    cos, sin = _tables(table_rows, trial.rope, DTYPES[trial.table_dtype], device, gen)
+    positions = _positions(trial, device, table_rows, gen)
+    k_dim = max(trial.nope, 16)
+    kv = torch.randn((*trial.tokens, trial.heads, k_dim + trial.v_dim), generator=gen)
+    kv = kv.to(dtype).to(device)
+    k_pe = torch.randn((*trial.tokens, trial.rope), generator=gen).to(dtype).to(device)
+    config = KVLaunchConfig(*trial.config) if trial.config else None
+    il_in, il_out = trial.interleaved, trial.interleaved_out
+    k = poisoned_like(kv, (*kv.shape[:-1], k_dim + trial.rope))
+    v = poisoned_like(kv, (*kv.shape[:-1], trial.v_dim))
+    rope_kv_launch(
+        kv, k_pe, k, v, cos, sin, positions, k_dim=k_dim, interleaved_in=il_in,
+        interleaved_out=il_out, config=config,
+    )  # fmt: skip
+    k_truth, v_truth = reference.rope_kv(
+        kv.double(), k_pe.double(), cos.double(), sin.double(), positions, k_dim=k_dim,
+        interleaved_in=il_in, interleaved_out=il_out,
+    )  # fmt: skip
+    x_rope = k_pe.double().unsqueeze(-2).expand(*kv.shape[:-1], trial.rope)
+    wrong = _count(k, k_truth, x_rope, cos, sin, positions, dtype, il_in, il_out, k_dim)
+    wrong += int((v.double() != v_truth).sum())
+
+    dk = torch.randn(k.shape, generator=gen).to(dtype).to(device)
+    dv = torch.randn(v.shape, generator=gen).to(dtype).to(device)
+    dkv = poisoned_like(kv)
+    dk_pe = poisoned_like(k_pe)
+    rope_kv_backward_launch(
+        dk, dv, dkv, dk_pe, cos, sin, positions, k_dim=k_dim, interleaved_in=il_in,
+        interleaved_out=il_out, config=config,
+    )  # fmt: skip
+    dkv_truth, dpe_truth = reference.rope_kv_backward(
+        dk.double(), dv.double(), cos.double(), sin.double(), positions, k_dim=k_dim,
+        interleaved_in=il_in, interleaved_out=il_out,
+    )  # fmt: skip
+    wrong += int((dkv.double() != dkv_truth).sum())
+    g_abs = dk[..., k_dim:].double().abs().sum(-2, keepdim=True)
+    wrong += _count(
+        dk_pe.unsqueeze(-2), dpe_truth.unsqueeze(-2), g_abs, cos, sin, positions, dtype, il_out,
+        il_in, 0, terms=trial.heads,
+    )  # fmt: skip
+    return wrong
+
+
+def run_control_trial(device, gen, block_h: int, num_warps: int) -> int:
+    """The racy in-place kernel on a packed thd batch (bf16, DeepSeek-like heads), in place."""
+    from .kernels.racy_control import racy_rope_inplace
+
+    n_tokens, heads, nope, rope = (384, 32, 0, 64) if device == "cuda" else (12, 4, 0, 32)
+    cos, sin = _tables(4096, rope, torch.float32, device, gen)
+    lens = torch.randint(1, 96, (8,), generator=gen)
+    cu = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)))
+    cu = cu[cu <= n_tokens]
+    positions = Positions("thd", cu.to(torch.int32).to(device), None, 0, 1)
+    from .positions import token_positions
+
+    pos, _ = token_positions(positions, (n_tokens,), torch.device(device))
+    pos = torch.where(pos < 0, 0, pos).clamp(0, 4095)
+    ids = Positions("thd", None, pos, 0, 1)
+    x = torch.randn(n_tokens, heads, nope + rope, generator=gen).to(torch.bfloat16).to(device)
+    out = x.clone()
+    racy_rope_inplace(out, cos, sin, pos, block_h=block_h, num_warps=num_warps)
+    truth = reference.rope_q(
+        x.double(), cos.double(), sin.double(), ids, interleaved_in=True, interleaved_out=False,
+        inverse=False,
+    )  # fmt: skip
+    return _count(out, truth, x.double(), cos, sin, ids, torch.bfloat16, True, False, 0)
+
+
+def run_trials(seed: int, first: int, count: int, device: str, small: bool) -> dict:
+    """Trials ``first .. first + count - 1``; each draws from its own seed, so results do not
+    depend on how trials are split among worker processes."""
+    failures, counts = [], {"q": 0, "kv": 0}
+    for index in range(first, first + count):
+        rng = random.Random(seed * 1_000_003 + index)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        trial = draw_trial(rng, small)
+        counts[trial.op] += 1
+        wrong = (run_q_trial if trial.op == "q" else run_kv_trial)(trial, device, gen)
+        if wrong:
+            failures.append({"trial": index, "wrong_elements": wrong, **asdict(trial)})
+    return {"failures": failures, "counts": counts, "count": count}
+
+
+def _run_chunk(job: tuple) -> dict:
+    return run_trials(*job)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trials", type=int, default=20000, help="randomized trials of our ops")
+    parser.add_argument(
+        "--control-trials", type=int, default=500,
+        help="trials of the deliberately racy control kernel (0 to skip)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of the trial generator")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="cuda (default when present) or cpu (needs TRITON_INTERPRET=1)",
+    )
+    parser.add_argument(
+        "--small", action="store_true", help="small shapes (the default on the CPU interpreter)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1,
+        help="worker processes sharing the device (they compile kernel variants in parallel)",
+    )  # fmt: skip
+    parser.add_argument("--json", default=None, help="write the summary as JSON to this path")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit code 0 when every trial of ours had 0 wrong elements, 1 otherwise."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    console = Console()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    small = args.small or device == "cpu"
+    chunk = max(1, min(100, args.trials // max(1, 4 * args.workers)))
+    jobs = [
+        (args.seed, first, min(chunk, args.trials - first), device, small)
+        for first in range(0, args.trials, chunk)
+    ]
+    failures: list[dict] = []
+    counts = {"q": 0, "kv": 0}
+    start = time.perf_counter()
+    with Progress(console=console, transient=False) as progress:
+        task = progress.add_task("mlarope trials", total=args.trials)
+        if args.workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(args.workers)
+            results = pool.imap_unordered(_run_chunk, jobs)
+        else:
+            pool, results = None, map(_run_chunk, jobs)
+        for result in results:
+            failures += result["failures"]
+            for op, n in result["counts"].items():
+                counts[op] += n
+            progress.advance(task, result["count"])
+        if pool is not None:
+            pool.close()
+            pool.join()
+        control_task = progress.add_task("racy control", total=args.control_trials)
+        control_failed = 0
+        control_by_config: dict[str, list[int]] = {}
+        gen = torch.Generator().manual_seed(args.seed)
+        for index in range(args.control_trials):
+            block_h, warps = [(1, 4), (2, 4), (2, 8), (4, 8)][index % 4]
+            wrong = run_control_trial(device, gen, block_h, warps)
+            stats = control_by_config.setdefault(f"block_h={block_h},num_warps={warps}", [0, 0])
+            stats[0] += 1
+            stats[1] += wrong > 0
+            control_failed += wrong > 0
+            progress.advance(control_task)
+    failures.sort(key=lambda f: f["trial"])
+    elapsed = time.perf_counter() - start
+    summary = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "trials": args.trials,
+        "trials_by_op": counts,
+        "failed_trials": len(failures),
+        "wrong_elements": sum(f["wrong_elements"] for f in failures),
+        "control_trials": args.control_trials,
+        "control_failed_trials": control_failed,
+        "control_by_config": control_by_config,
+        "seconds": round(elapsed, 1),
+        "failures": failures[:20],
+    }
+    table = Table(title="mlarope stress")
+    table.add_column("kernel")
+    table.add_column("trials", justify="right")
+    table.add_column("failed trials", justify="right")
+    table.add_column("wrong elements", justify="right")
+    table.add_row("mlarope (ours)", str(args.trials), str(len(failures)),
+                  str(summary["wrong_elements"]))  # fmt: skip
+    table.add_row("racy control", str(args.control_trials), str(control_failed), "-")
+    console.print(table)
+    console.print(f"control by launch config: {control_by_config}; {elapsed:.1f} s on {device}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    return 1 if failures else 0
