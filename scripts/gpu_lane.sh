@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU lane: one script reproduces every GPU figure of docs/ (tests on CUDA, the stress run
+# with its racy control, the benchmark, the 2-GPU NCCL context-parallel test).
+#
+#   OUT=DIR bash scripts/gpu_lane.sh [info] [tests] [stress] [bench] [cp]   (default: all)
+#
+# Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
+# package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
+# are installed into /tmp/site when present. Every step writes its log / JSON under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared machines (see the device notes in docs/gpu_lane.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(info tests stress bench cp)
+status=0
+for step in "${steps[@]}"; do
+  echo "=== $step ($(date -u +%FT%TZ))"
+  case "$step" in
+    info)
+      { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+        python3 -m mlarope info; } 2>&1 | tee "$OUT/info.txt" ;;
+    tests)
+      python3 -m pytest -q -n 8 tests --device cuda -p no:cacheprovider \
+        --junitxml "$OUT/pytest.xml" 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
+    stress)
+      python3 -m mlarope stress --trials "${STRESS_TRIALS:-20000}" \
+        --control-trials "${CONTROL_TRIALS:-500}" --workers 12 --json "$OUT/stress.json" \
+        2>&1 | tail -30 | tee "$OUT/stress.log" ;;
+    bench)
+      python3 -m mlarope bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" ;;
+    cp)
+      python3 -m pytest -q -m gpu tests/test_context_parallel.py --device cuda \
+        -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/cp.log" ;;
+    *) echo "unknown step $step"; status=2 ;;
+  esac
+  [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+done
+exit $status
