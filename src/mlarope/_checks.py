@@ -235,12 +235,12 @@ def check_positions_on_device(positions: Positions, n_tokens: int, table_rows: i
             length = cu_host[i] - cu_host[i - 1]
             if length % (2 * cp) != 0 and cp > 1:
                 raise ValueError(
-                    f"with cp_size={cp} every sequence length must be a multiple of "
+                    f"with cp_size={cp} every sequence length in cu_seqlens must be a multiple of "
                     f"2*cp_size={2 * cp}, got sequence {i - 1} of length {length}"
                 )
             if length > table_rows:
                 raise ValueError(
-                    f"sequence {i - 1} has length {length} but the table has only {table_rows} "
+                    f"cu_seqlens: sequence {i - 1} has length {length} > the {table_rows} table "
                     f"positions (cos.shape[0])"
                 )
         if cu_host[-1] // cp > n_tokens:

@@ -206,16 +206,6 @@ def _kv_backward(*args) -> tuple[Tensor, Tensor]:
     return rope_kv_backward_op(*args) if _compiling() else rope_kv_backward_impl(*args)
 
 
-def _writable_grad(grad: Tensor) -> Tensor:
-    """A gradient the in-place backward may overwrite: last dim contiguous, no broadcast dims
-    (an expanded or strided gradient is not contiguous, so ``contiguous()`` copies it)."""
-    if grad.stride(-1) != 1 or any(
-        st == 0 and n > 1 for st, n in zip(grad.stride(), grad.shape, strict=True)
-    ):
-        return grad.contiguous()
-    return grad
-
-
 # ------------------------------------------------------------------------------- autograd
 class RopeQFunction(torch.autograd.Function):
     """Query op with autograd. The backward is the same kernel with ``transpose=True`` and the
@@ -233,19 +223,15 @@ class RopeQFunction(torch.autograd.Function):
         else:
             out = _q(q, *args, interleaved, interleaved_out, inverse, False)
         ctx.save_for_backward(cos, sin, cu_seqlens, position_ids)
-        ctx.flags = (layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace)
+        ctx.flags = (layout, cp_rank, cp_size, interleaved, interleaved_out, inverse)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin, cu_seqlens, position_ids = ctx.saved_tensors
-        layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace = ctx.flags
+        layout, cp_rank, cp_size, interleaved, interleaved_out, inverse = ctx.flags
         args = (cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size)
-        if inplace:
-            dq = _writable_grad(grad)
-            _q_inplace(dq, *args, interleaved_out, interleaved, inverse, True)
-        else:
-            dq = _q(grad, *args, interleaved_out, interleaved, inverse, True)
+        dq = _q(grad, *args, interleaved_out, interleaved, inverse, True)
         return (dq,) + (None,) * 11
 
 

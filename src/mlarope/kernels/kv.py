@@ -142,8 +142,10 @@ def _rope_kv_bwd_kernel(
     m_r = m_t[:, None] & (r < 2 * HALF)
 
     # Fixed-order fp32 sum over heads: head h is added after head h - 1 whatever BLOCK_H is.
-    # Masked heads are skipped with a select, not added as zeros, so that -0.0 stays -0.0.
-    total = tl.zeros((BLOCK_T, 2 * HALF), dtype=tl.float32)
+    # It starts from head 0 itself (starting from +0.0 would turn an all -0.0 sum into +0.0),
+    # and masked heads are skipped with a select rather than added as zeros.
+    g_row = dk_ptr + dk_tok[:, None] + k_dim + r
+    total = tl.load(g_row, mask=m_r, other=0.0).to(tl.float32)
     for h0 in range(0, n_heads, BLOCK_H):
         o_h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
         m_row = m_t[:, None, None] & (o_h < n_heads)[None, :, None]
@@ -154,11 +156,9 @@ def _rope_kv_bwd_kernel(
         _copy_channels(dv_ptr, dkv_ptr + k_dim, dv_row, dkv_row, m_row, v_dim, BLOCK_C)
         for hh in tl.static_range(BLOCK_H):
             h = h0 + hh
-            g = tl.load(
-                dk_ptr + dk_tok[:, None] + h.to(tl.int64) * stride_dkh + k_dim + r,
-                mask=m_r & (h < n_heads), other=0.0,
-            ).to(tl.float32)  # fmt: skip
-            total = tl.where(h < n_heads, total + g, total)
+            add = (h > 0) & (h < n_heads)
+            g = tl.load(g_row + h.to(tl.int64) * stride_dkh, mask=m_r & add, other=0.0)
+            total = tl.where(add, total + g.to(tl.float32), total)
 
     pos, is_padding = token_positions(
         o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
