@@ -29,16 +29,18 @@ for step in "${steps[@]}"; do
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
         python3 -m mlarope info; } 2>&1 | tee "$OUT/info.txt" ;;
     tests)
-      python3 -m pytest -q -n 8 tests --device cuda -p no:cacheprovider \
-        --junitxml "$OUT/pytest.xml" 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
+      timeout "${TESTS_SECONDS:-240}" python3 -m pytest -q -n 12 tests --device cuda \
+        -p no:cacheprovider --junitxml "$OUT/pytest.xml" 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
     stress)
       python3 -m mlarope stress --trials "${STRESS_TRIALS:-20000}" \
         --control-trials "${CONTROL_TRIALS:-500}" --workers 12 --json "$OUT/stress.json" \
+        --max-seconds "${STRESS_SECONDS:-170}" \
         2>&1 | tail -30 | tee "$OUT/stress.log" ;;
     bench)
-      python3 -m mlarope bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" ;;
+      timeout "${BENCH_SECONDS:-200}" python3 -m mlarope bench --out "$OUT" 2>&1 \
+        | tee "$OUT/bench.log" ;;
     cp)
-      python3 -m pytest -q -m gpu tests/test_context_parallel.py --device cuda \
+      timeout 120 python3 -m pytest -q -m gpu tests/test_context_parallel.py --device cuda \
         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/cp.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
