@@ -319,3 +319,22 @@ def test_q_cuda_graph_capture(device):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, expected)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_q_many_sequences_lookup(cp_size, device):
+    """The multi-step search in cu_seqlens: hundreds of sequences (empty ones too) and a tail."""
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(0, 3, (300,), generator=gen) * 2 * cp_size
+    cu = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0))).to(torch.int32)
+    n_tokens = int(cu[-1]) // cp_size + 5
+    case = Case(layout="thd", tokens=(n_tokens,), heads=2, nope=0, rope=32, table_rows=8)
+    q, cos, sin, _ = make_inputs(case, device)
+    for rank in range(cp_size):
+        kwargs = dict(layout="thd", cu_seqlens=cu.to(device), cp_rank=rank, cp_size=cp_size)
+        qc, cos2d, sin2d, positions = checked(
+            q, cos, sin, Case(**{**case.__dict__, "cp_size": cp_size, "cp_rank": rank}), kwargs
+        )
+        out = launch(qc, cos2d, sin2d, positions, case, transpose=False)
+        truth, tol = truth_and_tolerance(qc, cos2d, sin2d, positions, case, transpose=False)
+        assert_close_elementwise(out, truth, tol, f"300 sequences, rank {rank}/{cp_size}")

@@ -2,7 +2,7 @@
 
 Computes, for a block of token indices, the same ``(pos, is_padding)`` as
 :func:`mlarope.positions.token_positions`, in O(1) per token (sequence index, explicit ids) or
-O(log n) (a binary search in ``cu_seqlens``), never a scan over all sequences.
+O(log n) (a 16-ary search in ``cu_seqlens``), never a scan over all sequences.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import triton.language as tl
 # Position sources (constexpr POS_MODE).
 SEQ_DIM0 = 0  # sbhd, or thd without cu_seqlens: position = index along token dim 0
 SEQ_DIM1 = 1  # bshd: position = index along token dim 1
-CU_SEQLENS = 2  # thd with cu_seqlens: binary search
+CU_SEQLENS = 2  # thd with cu_seqlens: a 16-ary search
 POSITION_IDS = 3  # explicit ids, read with their strides
 
 
@@ -37,10 +37,11 @@ def token_positions(
     stride_id0,
     stride_id1,
     n_seqs,  # n (CU_SEQLENS), or the local sequence length (SEQ_DIM0 / SEQ_DIM1)
-    search_steps,  # ceil(log2(n)) (CU_SEQLENS)
+    search_steps,  # ceil(log_FANOUT(n)) (CU_SEQLENS)
     cp_rank,
     cp_size,
     POS_MODE: tl.constexpr,
+    SEARCH_FANOUT: tl.constexpr = 16,
 ):
     """Return ``(pos, is_padding)`` for a block of tokens; ``pos`` is int64, maybe out of range."""
     is_padding = t < 0  # all False, right shape
@@ -49,17 +50,23 @@ def token_positions(
     elif POS_MODE == 1:
         pos = _global_position(i1, n_seqs, cp_rank, cp_size)
     elif POS_MODE == 2:
-        # cu_local = cu_seqlens // cp_size; the search keeps cu_local[lo] <= t < cu_local[hi].
+        # A SEARCH_FANOUT-ary search in cu_local = cu_seqlens // cp_size, keeping
+        # cu_local[lo] <= t < cu_local[hi]: each step loads FANOUT evenly spaced entries at once
+        # and narrows [lo, hi) to the gap holding t, so 4,096 sequences take 3 dependent loads
+        # (a binary search would take 12).
         total = tl.load(cu_ptr + n_seqs).to(tl.int64) // cp_size
         is_padding = t >= total
         lo = tl.zeros_like(t)
         hi = tl.zeros_like(t) + n_seqs
+        k = tl.arange(0, SEARCH_FANOUT).to(tl.int64)[None, :]
         for _ in range(search_steps):
-            mid = (lo + hi) // 2
-            start = tl.load(cu_ptr + mid, mask=t_mask, other=0).to(tl.int64) // cp_size
-            right = start <= t
-            lo = tl.where(right, mid, lo)
-            hi = tl.where(right, hi, mid)
+            stride = (hi - lo + SEARCH_FANOUT - 1) // SEARCH_FANOUT
+            index = lo[:, None] + k * stride[:, None]
+            sampled = (index < hi[:, None]) & t_mask[:, None]
+            start = tl.load(cu_ptr + index, mask=sampled, other=0).to(tl.int64) // cp_size
+            below = tl.sum((sampled & (start <= t[:, None])).to(tl.int64), axis=1)
+            lo = lo + (tl.maximum(below, 1) - 1) * stride
+            hi = tl.minimum(lo + stride, hi)
         start = tl.load(cu_ptr + lo, mask=t_mask, other=0).to(tl.int64) // cp_size
         end = tl.load(cu_ptr + lo + 1, mask=t_mask & (n_seqs > 0), other=0).to(tl.int64)
         pos = _global_position(t - start, end // cp_size - start, cp_rank, cp_size)
@@ -116,9 +123,12 @@ def rotate(
     return out_a, out_b
 
 
-def search_steps(n_seqs: int) -> int:
-    """Iterations of the binary search over ``n_seqs`` sequences: ceil(log2(n))."""
-    return max(n_seqs - 1, 0).bit_length()
+def search_steps(n_seqs: int, fanout: int = 16) -> int:
+    """Steps of the ``fanout``-ary search over ``n_seqs`` sequences: ceil(log_fanout(n))."""
+    steps, reach = 0, 1
+    while reach < n_seqs:
+        steps, reach = steps + 1, reach * fanout
+    return steps
 
 
 def next_power_of_2(n: int) -> int:

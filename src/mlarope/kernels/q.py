@@ -68,33 +68,38 @@ def _rope_q_kernel(
     i0 = o_t // D1
     i1 = o_t % D1
 
-    pos, is_padding = token_positions(
-        o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
-        cp_rank, cp_size, POS_MODE,
-    )  # fmt: skip
-    in_range = (pos >= 0) & (pos < n_rows)
-    j = tl.arange(0, HALF)
-    c_a, c_b, s_a, s_b = load_table_halves(
-        cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
-    )
-
     # [BLOCK_T, BLOCK_H, 1] row offsets; int64 because token index x stride can pass 2**31.
     h64 = o_h.to(tl.int64)[None, :, None]
     x_row = (i0 * stride_x0 + i1 * stride_x1)[:, None, None] + h64 * stride_xh
     o_row = (i0 * stride_o0 + i1 * stride_o1)[:, None, None] + h64 * stride_oh
     m_row = m_t[:, None, None] & m_h[None, :, None]
+    j = tl.arange(0, HALF)
     jj = j[None, None, :]
     m_pair = m_row & (jj < HALF)
 
+    # The tile's loads are issued first and used only after the position lookup, so the
+    # lookup's dependent loads (a search in cu_seqlens) overlap with them.
     x_rope = x_ptr + x_row + n_nope
     if INTERLEAVED_IN:
         k = tl.arange(0, 2 * HALF)[None, None, :]
-        x = tl.load(x_rope + k, mask=m_row & (k < 2 * HALF), other=0.0).to(tl.float32)
-        a, b = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, HALF, 2)))
+        x = tl.load(x_rope + k, mask=m_row & (k < 2 * HALF), other=0.0)
     else:
-        a = tl.load(x_rope + jj, mask=m_pair, other=0.0).to(tl.float32)
-        b = tl.load(x_rope + HALF + jj, mask=m_pair, other=0.0).to(tl.float32)
+        x_a = tl.load(x_rope + jj, mask=m_pair, other=0.0)
+        x_b = tl.load(x_rope + HALF + jj, mask=m_pair, other=0.0)
 
+    pos, is_padding = token_positions(
+        o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
+        cp_rank, cp_size, POS_MODE,
+    )  # fmt: skip
+    in_range = (pos >= 0) & (pos < n_rows)
+    c_a, c_b, s_a, s_b = load_table_halves(
+        cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
+    )
+
+    if INTERLEAVED_IN:
+        a, b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_T, BLOCK_H, HALF, 2)))
+    else:
+        a, b = x_a.to(tl.float32), x_b.to(tl.float32)
     out_a, out_b = rotate(
         a, b, c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :],
         is_padding[:, None, None], (~in_range & ~is_padding)[:, None, None], INVERSE, TRANSPOSE,
