@@ -115,6 +115,8 @@ def check_tables(
         )
     if cos.shape[0] < 1:
         raise ValueError(f"cos must have at least one row (position), got shape {tuple(cos.shape)}")
+    if cos.dim() == 2:
+        return cos, sin
     return cos.reshape(cos.shape[0], rope_dim), sin.reshape(sin.shape[0], rope_dim)
 
 
@@ -135,6 +137,14 @@ def check_activation(name: str, x: object, layout: str) -> torch.Tensor:
         )
     check_last_dim_contiguous(name, x)
     return x
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to exactly ``target`` (cheaper than torch.broadcast_shapes,
+    which matters on the decode path)."""
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
 
 
 def check_positions(
@@ -186,15 +196,13 @@ def check_positions(
                 f"position_ids are global positions already; they cannot be combined with "
                 f"cp_size={cp_size} (pass cp_size=1)"
             )
-        try:
-            if torch.broadcast_shapes(tuple(position_ids.shape), tokens) != tokens:
-                raise RuntimeError
-        except RuntimeError:
+        if not _broadcasts_to(tuple(position_ids.shape), tokens):
             raise ValueError(
                 f"position_ids must match the token dims {tokens} of layout={layout!r} "
                 f"(or broadcast to them), got shape {tuple(position_ids.shape)}"
-            ) from None
-        position_ids = position_ids.expand(tokens)
+            )
+        if tuple(position_ids.shape) != tokens:
+            position_ids = position_ids.expand(tokens)
 
     if cu_seqlens is None and position_ids is None:
         seq_len = tokens[1] if layout == "bshd" else tokens[0]

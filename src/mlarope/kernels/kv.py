@@ -12,6 +12,7 @@ rounded once. No atomics, bitwise deterministic. The same program writes ``dkv``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -201,6 +202,7 @@ class KVLaunchConfig:
 _TILE_ELEMENTS = 8192
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_kv_config(n_tokens: int, n_heads: int, channels: int) -> KVLaunchConfig:
     """Heuristic launch configuration (no autotuning).
 
@@ -215,6 +217,7 @@ def choose_kv_config(n_tokens: int, n_heads: int, channels: int) -> KVLaunchConf
     return KVLaunchConfig(block_t, block_h, block_c, num_warps)
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_kv_backward_config(n_tokens: int, n_heads: int, channels: int) -> KVLaunchConfig:
     """The backward walks all heads of its tokens in blocks of ``block_h``; the per-head sum
     loads are unrolled over the block, so ``block_h`` stays at 16 or less."""

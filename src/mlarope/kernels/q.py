@@ -7,6 +7,7 @@ stores them once, rounded to the output dtype. Out of place it also copies the n
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +146,7 @@ class QLaunchConfig:
 _TILE_ELEMENTS = 8192
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_q_config(n_tokens: int, n_heads: int, n_nope: int, rope_dim: int) -> QLaunchConfig:
     """Heuristic launch configuration (no run-time autotuning; the reason is in the comments).
 
