@@ -20,7 +20,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info tests stress bench cp)
+[ ${#steps[@]} -eq 0 ] && steps=(info stress bench tests cp)
 status=0
 for step in "${steps[@]}"; do
   echo "=== $step ($(date -u +%FT%TZ))"
@@ -29,16 +29,21 @@ for step in "${steps[@]}"; do
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
         python3 -m mlarope info; } 2>&1 | tee "$OUT/info.txt" ;;
     tests)
-      timeout "${TESTS_SECONDS:-240}" python3 -m pytest -q -n 12 tests --device cuda -k "not gloo" \
-        -p no:cacheprovider --junitxml "$OUT/pytest.xml" 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
+      timeout "${TESTS_SECONDS:-200}" python3 -m pytest -q -n 16 tests --device cuda \
+        -k "not gloo" -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
     stress)
       python3 -m mlarope stress --trials "${STRESS_TRIALS:-20000}" \
-        --control-trials "${CONTROL_TRIALS:-500}" --workers 12 --json "$OUT/stress.json" \
-        --max-seconds "${STRESS_SECONDS:-170}" \
-        2>&1 | tail -30 | tee "$OUT/stress.log" ;;
+        --control-trials "${CONTROL_TRIALS:-500}" --workers 14 --json "$OUT/stress.json" \
+        --max-seconds "${STRESS_SECONDS:-150}" 2>&1 | tail -30 | tee "$OUT/stress.log" ;;
     bench)
-      timeout "${BENCH_SECONDS:-200}" python3 -m mlarope bench --out "$OUT" 2>&1 \
-        | tee "$OUT/bench.log" ;;
+      # Ours, Megatron and the eager reference on every case; torch.compile (slow to compile)
+      # on the sbhd case; then one merged table, JSON and plot.
+      timeout "${BENCH_SECONDS:-170}" python3 -m mlarope bench \
+        --impls mlarope,megatron,reference --out /tmp/bench_main 2>&1 | tail -5
+      timeout 100 python3 -m mlarope bench --cases sbhd,thd4 --impls compile \
+        --out /tmp/bench_compile 2>&1 | tail -3
+      python3 -m mlarope bench --merge /tmp/bench_main/bench.json /tmp/bench_compile/bench.json \
+        --out "$OUT" 2>&1 | tail -60 ;;
     cp)
       timeout 120 python3 -m pytest -q -m gpu tests/test_context_parallel.py --device cuda \
         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/cp.log" ;;

@@ -56,7 +56,11 @@ class Trial:
 
 
 def draw_trial(rng: random.Random, small: bool) -> Trial:
-    op = rng.choice(["q", "q", "kv"])
+    variant = rng.choice(variant_pool())
+    dtype, table_dtype, interleaved, interleaved_out, inverse, inplace, config, dims = variant
+    op, rope, heads, nope, v_dim = dims
+    if small:
+        heads, nope, v_dim = min(heads, 3), min(nope, 16), min(v_dim, 24)
     layout = rng.choice(["sbhd", "bshd", "thd", "thd"])
     source = (
         rng.choice(["cu", "cu", "ids", "seq"])
@@ -65,10 +69,6 @@ def draw_trial(rng: random.Random, small: bool) -> Trial:
     )
     cp_size = rng.choice([1, 1, 2, 4]) if source != "ids" else 1
     cp_rank = rng.randrange(cp_size)
-    rope = rng.choice([32, 64, 64, 128])
-    heads = rng.choice([1, 3, 16, 128] if not small else [1, 3, 5])
-    nope = rng.choice([0, 16, 128, 48] if not small else [0, 5, 16])
-    v_dim = rng.choice([16, 128, 40] if not small else [16, 24])
     budget = (1 << 12) if small else (1 << 21)  # elements per tensor
     per_token = heads * (nope + rope + v_dim)
     max_tokens = max(2, min(4096, budget // per_token))
@@ -90,8 +90,6 @@ def draw_trial(rng: random.Random, small: bool) -> Trial:
                   * cp_size)  # fmt: skip
         batch = rng.choice([1, 2, 3])
         tokens = (seq, batch) if layout == "sbhd" else (batch, seq)
-    variant = rng.choice(variant_pool())
-    dtype, table_dtype, interleaved, interleaved_out, inverse, inplace, config = variant
     return Trial(
         op=op, layout=layout, source=source, tokens=tokens, heads=heads, nope=nope, rope=rope,
         v_dim=v_dim, dtype=dtype, table_dtype=table_dtype, interleaved=interleaved,
@@ -103,17 +101,26 @@ def draw_trial(rng: random.Random, small: bool) -> Trial:
 _CONFIGS = [None, None, (1, 2, 16, 1), (2, 4, 32, 2), (4, 16, 64, 4), (1, 1, 16, 8)]
 
 
+_DIMS = [  # (op, R, H, N or K, V): DeepSeek-V3, its tensor-parallel shards, odd head counts
+    ("q", 64, 128, 128, 128), ("q", 64, 16, 128, 128), ("q", 32, 3, 48, 40),
+    ("q", 128, 5, 0, 40), ("kv", 64, 128, 128, 128), ("kv", 64, 16, 128, 128),
+    ("kv", 32, 3, 48, 40), ("kv", 128, 5, 16, 40),
+]  # fmt: skip
+
+
 @functools.cache
-def variant_pool(size: int = 48) -> list[tuple]:
+def variant_pool(size: int = 24) -> list[tuple]:
     """Kernel variants (the compile-time choices: dtypes, interleaving, inverse, in place,
-    launch config), drawn once from a fixed seed. Trials sample shapes and positions freely but
-    variants from this pool, so a GPU run compiles a bounded set of kernels."""
+    launch config, and the op with its channel widths), drawn once from a fixed seed. Trials
+    sample token counts, layouts, position sources and ranks freely but variants from this
+    pool, so a GPU run compiles a bounded set of kernels."""
     rng = random.Random(1234)
     pool = []
-    for _ in range(size):
+    for index in range(size):
         pool.append((
             rng.choice(list(DTYPES)), rng.choice(["fp32", "fp32", "bf16"]), rng.random() < 0.7,
             rng.random() < 0.3, rng.random() < 0.2, rng.random() < 0.5, rng.choice(_CONFIGS),
+            _DIMS[index % len(_DIMS)],
         ))  # fmt: skip
     return pool
 
@@ -221,25 +228,20 @@ def run_control_trial(device, gen, block_h: int, num_warps: int) -> int:
     """The racy in-place kernel on a packed thd batch (bf16, DeepSeek-like heads), in place."""
     from .kernels.racy_control import racy_rope_inplace
 
-    n_tokens, heads, nope, rope = (384, 32, 0, 64) if device == "cuda" else (12, 4, 0, 32)
-    cos, sin = _tables(4096, rope, torch.float32, device, gen)
-    lens = torch.randint(1, 96, (8,), generator=gen)
-    cu = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)))
-    cu = cu[cu <= n_tokens]
-    positions = Positions("thd", cu.to(torch.int32).to(device), None, 0, 1)
-    from .positions import token_positions
-
-    pos, _ = token_positions(positions, (n_tokens,), torch.device(device))
-    pos = torch.where(pos < 0, 0, pos).clamp(0, 4095)
-    ids = Positions("thd", None, pos, 0, 1)
-    x = torch.randn(n_tokens, heads, nope + rope, generator=gen).to(torch.bfloat16).to(device)
+    n_seqs, heads, rope = (64, 32, 64) if device == "cuda" else (4, 4, 32)
+    lens = torch.randint(1, 12, (n_seqs,), generator=gen)
+    cu = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0))).to(torch.int32)
+    n_tokens = int(cu[-1])
+    positions = Positions("thd", cu.to(device), None, 0, 1)
+    cos, sin = _tables(64, rope, torch.float32, device, gen)
+    x = torch.randn(n_tokens, heads, rope, generator=gen).to(torch.bfloat16).to(device)
     out = x.clone()
-    racy_rope_inplace(out, cos, sin, pos, block_h=block_h, num_warps=num_warps)
+    racy_rope_inplace(out, cos, sin, positions.cu_seqlens, block_h=block_h, num_warps=num_warps)
     truth = reference.rope_q(
-        x.double(), cos.double(), sin.double(), ids, interleaved_in=True, interleaved_out=False,
-        inverse=False,
+        x.double(), cos.double(), sin.double(), positions, interleaved_in=True,
+        interleaved_out=False, inverse=False,
     )  # fmt: skip
-    return _count(out, truth, x.double(), cos, sin, ids, torch.bfloat16, True, False, 0)
+    return _count(out, truth, x.double(), cos, sin, positions, torch.bfloat16, True, False, 0)
 
 
 def run_trials(seed: int, first: int, count: int, device: str, small: bool) -> dict:

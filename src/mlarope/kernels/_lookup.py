@@ -42,6 +42,7 @@ def token_positions(
     cp_size,
     POS_MODE: tl.constexpr,
     SEARCH_FANOUT: tl.constexpr = 16,
+    SEARCH_FANOUT_LOG2: tl.constexpr = 4,
 ):
     """Return ``(pos, is_padding)`` for a block of tokens; ``pos`` is int64, maybe out of range."""
     is_padding = t < 0  # all False, right shape
@@ -54,18 +55,21 @@ def token_positions(
         # cu_local[lo] <= t < cu_local[hi]: each step loads FANOUT evenly spaced entries at once
         # and narrows [lo, hi) to the gap holding t, so 4,096 sequences take 3 dependent loads
         # (a binary search would take 12).
+        # cu_local[i] <= t  <=>  cu_seqlens[i] <= (t + 1) * cp_size - 1: no division in the loop
+        # (64-bit integer division is emulated on GPUs and was the loop's main cost).
         total = tl.load(cu_ptr + n_seqs).to(tl.int64) // cp_size
         is_padding = t >= total
+        t_scaled = (t + 1) * cp_size - 1
         lo = tl.zeros_like(t)
         hi = tl.zeros_like(t) + n_seqs
         k = tl.arange(0, SEARCH_FANOUT).to(tl.int64)[None, :]
         for _ in range(search_steps):
-            stride = (hi - lo + SEARCH_FANOUT - 1) // SEARCH_FANOUT
+            stride = (hi - lo + (SEARCH_FANOUT - 1)) >> SEARCH_FANOUT_LOG2
             index = lo[:, None] + k * stride[:, None]
             sampled = (index < hi[:, None]) & t_mask[:, None]
-            start = tl.load(cu_ptr + index, mask=sampled, other=0).to(tl.int64) // cp_size
-            below = tl.sum((sampled & (start <= t[:, None])).to(tl.int64), axis=1)
-            lo = lo + (tl.maximum(below, 1) - 1) * stride
+            start = tl.load(cu_ptr + index, mask=sampled, other=0).to(tl.int64)
+            below = tl.sum((sampled & (start <= t_scaled[:, None])).to(tl.int32), axis=1)
+            lo = lo + (tl.maximum(below, 1) - 1).to(tl.int64) * stride
             hi = tl.minimum(lo + stride, hi)
         start = tl.load(cu_ptr + lo, mask=t_mask, other=0).to(tl.int64) // cp_size
         end = tl.load(cu_ptr + lo + 1, mask=t_mask & (n_seqs > 0), other=0).to(tl.int64)
@@ -114,8 +118,10 @@ def rotate(
         s_a, s_b = -s_b, -s_a
     if INVERSE:
         s_a, s_b = -s_a, -s_b
-    out_a = a * c_a - b * s_a
-    out_b = b * c_b + a * s_b
+    # Explicit fused multiply-adds: the compiler may not contract differently from one launch
+    # configuration to another, so results are bitwise identical across configurations.
+    out_a = tl.fma(a, c_a, -(b * s_a))
+    out_b = tl.fma(b, c_b, a * s_b)
     out_a = tl.where(is_padding, a, out_a)
     out_b = tl.where(is_padding, b, out_b)
     out_a = tl.where(out_of_range, float("nan"), out_a)

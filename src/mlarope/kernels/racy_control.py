@@ -1,11 +1,13 @@
 """A deliberately racy in-place kernel: the negative control of the stress harness.
 
-It does what the incumbent fused MLA RoPE kernel does in its in-place path: each program loads
-a ``[BLOCK_H, R]`` tile of interleaved pairs ``(x[2j], x[2j+1])``, rotates them and stores the
-result half-split (``x[j]``, ``x[half+j]``) into the same memory, *without* a barrier between
-the loads and the stores. Element ``x[k]`` is loaded by the thread that owns pair ``k // 2`` and
-stored by the thread that owns output ``k``; when those threads sit in different warps nothing
-orders the store after the load, so a late warp can read an already-rotated value.
+It does what the incumbent fused MLA RoPE kernel does in its in-place thd path: each program
+finds its token's sequence by a linear scan over ``cu_seqlens``, loads a ``[BLOCK_H, R]`` tile
+of interleaved pairs ``(x[2j], x[2j+1])``, rotates them and stores the result half-split
+(``x[j]``, ``x[half+j]``) into the same memory, *without* a barrier between the loads and the
+stores. Element ``x[k]`` is loaded by the thread that owns pair ``k // 2`` and stored by the
+thread that owns output ``k`` (and, when the tile is smaller than the CTA, by copies of them in
+other warps); nothing orders a store of one warp after a load of another, and the scan lets
+warps drift apart, so a late warp can read an already-rotated value.
 
 Never used by the library. It exists so that ``python -m mlarope stress`` can show that its
 harness sees races: the control must fail where ours never does. (Under Triton's interpreter
@@ -24,7 +26,8 @@ def _racy_rope_inplace_kernel(
     x_ptr,  # [T, H, N + R], rotated in place
     cos_ptr,
     sin_ptr,  # [P, R]
-    pos_ptr,  # [T] int64 positions
+    cu_ptr,  # cu_seqlens [n + 1], covering every token
+    n_seqs,
     n_heads,
     n_nope,
     stride_xt,
@@ -38,7 +41,10 @@ def _racy_rope_inplace_kernel(
     j = tl.arange(0, HALF)
     m = (o_h < n_heads)[:, None] & (j < HALF)[None, :]
     row = x_ptr + i_t * stride_xt + o_h.to(tl.int64)[:, None] * stride_xh + n_nope
-    pos = tl.load(pos_ptr + i_t)
+    seq = 0
+    for i in range(n_seqs):  # the incumbent's linear scan
+        seq = tl.where(tl.load(cu_ptr + i).to(tl.int64) <= i_t, i, seq)
+    pos = i_t - tl.load(cu_ptr + seq).to(tl.int64)
     c_a = tl.load(cos_ptr + pos * stride_table + j).to(tl.float32)[None, :]
     c_b = tl.load(cos_ptr + pos * stride_table + HALF + j).to(tl.float32)[None, :]
     s_a = tl.load(sin_ptr + pos * stride_table + j).to(tl.float32)[None, :]
@@ -56,19 +62,20 @@ def racy_rope_inplace(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    positions: torch.Tensor,
+    cu_seqlens: torch.Tensor,
     *,
     block_h: int = 2,
     num_warps: int = 4,
 ) -> None:
     """Rotate ``x: [T, H, N + R]`` (interleaved in, half-split out) in place, racily.
 
-    ``cos, sin: [P, R]`` contiguous; ``positions: [T]`` int64, in range.
+    ``cos, sin: [P, R]`` contiguous; ``cu_seqlens: [n + 1]`` with ``cu_seqlens[-1] == T``.
     """
     n_tokens, n_heads, width = x.shape
     rope_dim = cos.shape[-1]
     grid = (n_tokens, triton.cdiv(n_heads, block_h))
     _racy_rope_inplace_kernel[grid](
-        x, cos, sin, positions, n_heads, width - rope_dim, x.stride(0), x.stride(1),
-        cos.stride(0), HALF=rope_dim // 2, BLOCK_H=block_h, num_warps=num_warps,
+        x, cos, sin, cu_seqlens, cu_seqlens.shape[0] - 1, n_heads, width - rope_dim,
+        x.stride(0), x.stride(1), cos.stride(0), HALF=rope_dim // 2, BLOCK_H=block_h,
+        num_warps=num_warps,
     )  # fmt: skip
