@@ -647,7 +647,8 @@ def test_matches_transformers_deepseek_v3(device, with_ids):
         if with_ids
         else torch.arange(seq).expand(batch, seq).contiguous()
     )
-    kw = {"position_ids": ids.to(device)} if with_ids else {}
+    kw_cpu = {"position_ids": ids} if with_ids else {}
+    kw_dev = {"position_ids": ids.to(device)} if with_ids else {}
     q = torch.randn(batch, seq, heads, nope + rope_dim).float()
     k_pe = torch.randn(batch, seq, 1, rope_dim).float()
     kv = torch.randn(batch, seq, heads, K + V).float()
@@ -658,7 +659,8 @@ def test_matches_transformers_deepseek_v3(device, with_ids):
         q[..., nope:].double().transpose(1, 2), k_pe.double().transpose(1, 2), c, s
     )
     q_hf, k_hf = q_hf.transpose(1, 2), k_hf.transpose(1, 2)  # back to [B, S, H, R]
-    common = dict(layout="bshd", interleaved=True, interleaved_out=False, **kw)
+    common = dict(layout="bshd", interleaved=True, interleaved_out=False, **kw_cpu)
+    common_dev = dict(layout="bshd", interleaved=True, interleaved_out=False, **kw_dev)
 
     # float64 through the public API (the reference backend): equal within the fp64 model.
     out64 = mlarope.apply_rope_q(q.double(), cos32.double(), sin32.double(), **common)
@@ -672,14 +674,19 @@ def test_matches_transformers_deepseek_v3(device, with_ids):
 
     # float32 on the device (the kernels): within mlarope's error model of the fp64 truth.
     positions = Positions("bshd", None, ids if with_ids else None, 0, 1)
-    out32 = mlarope.apply_rope_q(q.to(device), cos32.to(device), sin32.to(device), **common)
+    out32 = mlarope.apply_rope_q(q.to(device), cos32.to(device), sin32.to(device), **common_dev)
     tol32 = rope_tolerance(
         q[..., nope:].double(), cos32, sin32, positions, q_hf, torch.float32,
         interleaved_in=True, interleaved_out=False,
     )  # fmt: skip
     assert_close_elementwise(out32[..., nope:].cpu(), q_hf, tol32, "q fp32 vs transformers")
     k32, _ = mlarope.apply_rope_kv(
-        kv.to(device), k_pe.to(device), cos32.to(device), sin32.to(device), k_dim=K, **common
+        kv.to(device),
+        k_pe.to(device),
+        cos32.to(device),
+        sin32.to(device),
+        k_dim=K,
+        **common_dev,
     )
     tol32k = rope_tolerance(
         k_pe.double(), cos32, sin32, positions, k_hf, torch.float32,

@@ -231,6 +231,8 @@ class RopeQFunction(torch.autograd.Function):
         cos, sin, cu_seqlens, position_ids = ctx.saved_tensors
         layout, cp_rank, cp_size, interleaved, interleaved_out, inverse = ctx.flags
         args = (cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size)
+        if grad.stride(-1) != 1:  # the kernels need a contiguous last dim
+            grad = grad.contiguous()
         dq = _q(grad, *args, interleaved_out, interleaved, inverse, True)
         return (dq,) + (None,) * 11
 

@@ -78,16 +78,6 @@ def _rope_q_kernel(
     jj = j[None, None, :]
     m_pair = m_row & (jj < HALF)
 
-    # The tile's loads are issued first and used only after the position lookup, so the
-    # lookup's dependent loads (a search in cu_seqlens) overlap with them.
-    x_rope = x_ptr + x_row + n_nope
-    if INTERLEAVED_IN:
-        k = tl.arange(0, 2 * HALF)[None, None, :]
-        x = tl.load(x_rope + k, mask=m_row & (k < 2 * HALF), other=0.0)
-    else:
-        x_a = tl.load(x_rope + jj, mask=m_pair, other=0.0)
-        x_b = tl.load(x_rope + HALF + jj, mask=m_pair, other=0.0)
-
     pos, is_padding = token_positions(
         o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
         cp_rank, cp_size, POS_MODE,
@@ -97,10 +87,18 @@ def _rope_q_kernel(
         cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
     )
 
+    # The position lookup and table rows come first, then the tile's loads. (Issuing the tile's
+    # loads before the lookup measured slower on the H200, 82% -> 61% of copy for thd with 4
+    # sequences: docs/perf_log.md.)
+    x_rope = x_ptr + x_row + n_nope
     if INTERLEAVED_IN:
-        a, b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_T, BLOCK_H, HALF, 2)))
+        k = tl.arange(0, 2 * HALF)[None, None, :]
+        x = tl.load(x_rope + k, mask=m_row & (k < 2 * HALF), other=0.0).to(tl.float32)
+        a, b = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, HALF, 2)))
     else:
-        a, b = x_a.to(tl.float32), x_b.to(tl.float32)
+        a = tl.load(x_rope + jj, mask=m_pair, other=0.0).to(tl.float32)
+        b = tl.load(x_rope + HALF + jj, mask=m_pair, other=0.0).to(tl.float32)
+
     out_a, out_b = rotate(
         a, b, c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :],
         is_padding[:, None, None], (~in_range & ~is_padding)[:, None, None], INVERSE, TRANSPOSE,
