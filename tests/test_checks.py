@@ -527,3 +527,23 @@ def test_validation_from_environment(op, monkeypatch):
         call(op, **bad)
     monkeypatch.setenv("MLAROPE_VALIDATE", "0")
     call(op, **bad)  # unchecked: no sync, no error (the kernels stay in bounds)
+
+
+def test_inplace_on_a_broadcast_q_is_rejected():
+    """Elements that share memory cannot be rotated in place (two programs would both rotate
+    them): a ValueError naming q, never a silently wrong result."""
+    cos, sin = torch.randn(64, 32), torch.randn(64, 32)
+    q = torch.randn(1, 8, 2, 16 + 32).expand(4, 8, 2, 48)
+    with pytest.raises(ValueError, match=r"q has elements that share memory.*\(4, 8, 2, 48\)"):
+        mlarope.apply_rope_q(q, cos, sin, layout="bshd", inplace=True)
+    out = mlarope.apply_rope_q(q, cos, sin, layout="bshd")  # out of place is fine
+    assert out.shape == q.shape
+
+
+def test_kv_backward_with_zero_heads():
+    cos, sin = torch.randn(64, 32), torch.randn(64, 32)
+    kv = torch.randn(4, 2, 0, 16, requires_grad=True)
+    k_pe = torch.randn(4, 2, 1, 32, requires_grad=True)
+    k, v = mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=8)
+    (k.sum() + v.sum()).backward()
+    assert torch.equal(k_pe.grad, torch.zeros_like(k_pe))

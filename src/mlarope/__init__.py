@@ -69,7 +69,8 @@ def apply_rope_q(
         q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size,
         interleaved, interleaved_out, inverse,
     )  # fmt: skip
-    _checks.check_bool("inplace", inplace)
+    if _checks.check_bool("inplace", inplace):
+        _checks.check_inplace_target("q", q)
     if _checks.validation_requested(validate):
         _checks.check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])
     args = (

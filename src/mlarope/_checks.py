@@ -219,6 +219,18 @@ def check_positions(
     return Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
 
 
+def check_inplace_target(name: str, x: torch.Tensor) -> None:
+    """An in-place target must not have elements that share memory (a broadcast, stride-0
+    dim): two programs would rotate the same element, which is wrong and, on a GPU, a race."""
+    for size, stride in zip(x.shape, x.stride(), strict=True):
+        if size > 1 and stride == 0:
+            raise ValueError(
+                f"{name} has elements that share memory (shape {tuple(x.shape)}, strides "
+                f"{tuple(x.stride())}: a broadcast dim), so it cannot be rotated in place; "
+                f"pass inplace=False or {name}.contiguous()"
+            )
+
+
 def validation_requested(validate: object) -> bool:
     check_bool("validate", validate)
     return validate or os.environ.get("MLAROPE_VALIDATE", "0") not in ("", "0")

@@ -209,8 +209,10 @@ def _kv_backward(*args) -> tuple[Tensor, Tensor]:
 # ------------------------------------------------------------------------------- autograd
 class RopeQFunction(torch.autograd.Function):
     """Query op with autograd. The backward is the same kernel with ``transpose=True`` and the
-    input and output layouts swapped; the in-place op's backward rotates the gradient in place
-    (as Megatron-Core's does), so it moves only the rope channels."""
+    input and output layouts swapped. It is out of place for the in-place op too: the incoming
+    gradient may be shared (``a + b`` hands one tensor to both branches; ``z.backward(g)`` hands
+    the caller's ``g``), so rotating it in place, as Megatron-Core does, can corrupt another
+    branch's gradient. That costs the nope channels' bytes; see docs/semantics.md."""
 
     @staticmethod
     def forward(ctx, q, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size,

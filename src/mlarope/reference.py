@@ -175,7 +175,10 @@ def rope_kv_backward(
     """
     dtype = compute_dtype(dk.dtype)
     dkv = torch.cat((dk[..., :k_dim], dv), dim=-1)
-    total = dk[..., 0, k_dim:].to(dtype)
+    if dk.shape[-2] == 0:
+        total = torch.zeros((*dk.shape[:-2], dk.shape[-1] - k_dim), dtype=dtype, device=dk.device)
+    else:
+        total = dk[..., 0, k_dim:].to(dtype)
     for head in range(1, dk.shape[-2]):
         total = total + dk[..., head, k_dim:].to(dtype)
     cos_rows, sin_rows, is_padding, in_range = _tables_for(

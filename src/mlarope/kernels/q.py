@@ -110,7 +110,8 @@ def _rope_q_kernel(
         # Race freedom: the stores below overwrite the very elements loaded above, and with a
         # layout change (interleaved <-> half-split) an element is loaded by one thread and
         # stored by another. This CTA barrier orders every load of the tile before any store of
-        # it. Tiles of different programs are disjoint, so no other program touches them.
+        # it. Tiles of different programs are disjoint (q's elements do not share memory:
+        # _checks.check_inplace_target), so no other program touches them.
         tl.debug_barrier()
 
     o_rope = out_ptr + o_row + n_nope
