@@ -34,7 +34,7 @@ for step in "${steps[@]}"; do
     stress)
       python3 -m mlarope stress --trials "${STRESS_TRIALS:-20000}" \
         --control-trials "${CONTROL_TRIALS:-500}" --workers 14 --json "$OUT/stress.json" \
-        --max-seconds "${STRESS_SECONDS:-150}" 2>&1 | tail -30 | tee "$OUT/stress.log" ;;
+        --max-seconds "${STRESS_SECONDS:-300}" 2>&1 | tail -30 | tee "$OUT/stress.log" ;;
     bench)
       # Ours, Megatron and the eager reference on every case; torch.compile (slow to compile)
       # on the sbhd case; then one merged table, JSON and plot.

@@ -16,6 +16,20 @@ SEQ_DIM1 = 1  # bshd: position = index along token dim 1
 CU_SEQLENS = 2  # thd with cu_seqlens: a 16-ary search
 POSITION_IDS = 3  # explicit ids, read with their strides
 
+# Kernel integers that change from call to call but feed only masks and index arithmetic. They
+# are not specialized (Triton would compile a variant per value class, == 1 and % 16), so a new
+# token or sequence count, or another rank, reuses the compiled kernel.
+VARYING_INTS = [
+    "n_tokens",
+    "n_seqs",
+    "steps",
+    "cp_rank",
+    "cp_size",
+    "n_rows",
+    "stride_id0",
+    "stride_id1",
+]
+
 
 @triton.jit
 def _global_position(local, local_len, cp_rank, cp_size):

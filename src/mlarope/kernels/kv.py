@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .._checks import Positions
-from ._lookup import load_table_halves, next_power_of_2, rotate, token_positions
+from ._lookup import VARYING_INTS, load_table_halves, next_power_of_2, rotate, token_positions
 from .q import as_4d, position_args
 
 
@@ -33,7 +33,7 @@ def _copy_channels(src_ptr, dst_ptr, src_row, dst_row, m_row, n_channels, BLOCK_
         tl.store(dst_ptr + dst_row + c, tl.load(src_ptr + src_row + c, mask=m), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_INTS)
 def _rope_kv_fwd_kernel(
     kv_ptr,  # [D0, D1, H, K + V]
     kpe_ptr,  # [D0, D1, R]
@@ -111,7 +111,7 @@ def _rope_kv_fwd_kernel(
         _copy_channels(kv_ptr + k_dim, v_ptr, kv_row, v_row, m_row, v_dim, BLOCK_C)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_INTS)
 def _rope_kv_bwd_kernel(
     dk_ptr,  # [D0, D1, H, K + R]
     dv_ptr,  # [D0, D1, H, V]

@@ -20,6 +20,7 @@ from ._lookup import (
     POSITION_IDS,
     SEQ_DIM0,
     SEQ_DIM1,
+    VARYING_INTS,
     load_table_halves,
     next_power_of_2,
     rotate,
@@ -28,7 +29,7 @@ from ._lookup import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_INTS)
 def _rope_q_kernel(
     x_ptr,  # input [D0, D1, H, N + R] (thd: D1 = 1)
     out_ptr,  # output, same shape; the same memory as x_ptr when IN_PLACE
