@@ -263,16 +263,24 @@ def test_q_inplace_without_grad_bumps_version(device):
     assert x._version > before
 
 
-def test_q_torch_compile_fullgraph(device):
-    """Compiled with fullgraph=True (no graph break): the same kernel outputs and gradients."""
+@pytest.mark.parametrize("calls", ["out_of_place", "in_place", "both"])
+def test_q_torch_compile_fullgraph(calls, device):
+    """Compiled with fullgraph=True (no graph break): the same kernel outputs and gradients.
+
+    ``both`` (an out-of-place and an in-place call on one input in one graph) fails on CUDA
+    as of 2026-11-29 (docs/gpu_lane.md); the single-call cases narrow down where."""
     case = Case(layout="thd", tokens=(15,), source="cu", dtype=torch.float32)
     q0, cos, sin, kwargs = make_inputs(case, device)
 
     def f(q):
-        out = mlarope.apply_rope_q(q, cos, sin, **kwargs)
-        y = q * 1.0
-        mlarope.apply_rope_q(y, cos, sin, inplace=True, **kwargs)
-        return out, y
+        outs = []
+        if calls != "in_place":
+            outs.append(mlarope.apply_rope_q(q, cos, sin, **kwargs))
+        if calls != "out_of_place":
+            y = q * 1.0
+            mlarope.apply_rope_q(y, cos, sin, inplace=True, **kwargs)
+            outs.append(y)
+        return tuple(outs)
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True)
