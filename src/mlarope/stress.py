@@ -224,7 +224,7 @@ def run_kv_trial(trial: Trial, device, gen) -> int:
     return wrong
 
 
-def run_control_trial(device, gen, block_h: int, num_warps: int) -> int:
+def run_control_trial(device, gen, block_h: int, num_warps: int, skew_steps: int = 0) -> int:
     """The racy in-place kernel on a packed thd batch (bf16, DeepSeek-like heads), in place."""
     from .kernels.racy_control import racy_rope_inplace
 
@@ -236,7 +236,10 @@ def run_control_trial(device, gen, block_h: int, num_warps: int) -> int:
     cos, sin = _tables(64, rope, torch.float32, device, gen)
     x = torch.randn(n_tokens, heads, rope, generator=gen).to(torch.bfloat16).to(device)
     out = x.clone()
-    racy_rope_inplace(out, cos, sin, positions.cu_seqlens, block_h=block_h, num_warps=num_warps)
+    racy_rope_inplace(
+        out, cos, sin, positions.cu_seqlens, block_h=block_h, num_warps=num_warps,
+        skew_steps=skew_steps,
+    )  # fmt: skip
     truth = reference.rope_q(
         x.double(), cos.double(), sin.double(), positions, interleaved_in=True,
         interleaved_out=False, inverse=False,
@@ -327,10 +330,16 @@ def run(args: argparse.Namespace) -> int:
         control_failed = 0
         control_by_config: dict[str, list[int]] = {}
         gen = torch.Generator().manual_seed(args.seed)
+        # The faithful control (no barrier, the incumbent's lookup) and, on the GPU, the same
+        # kernel with warp 0 delayed (racy_control's skew injector) to make the race show.
+        configs = [(1, 4, 0), (2, 4, 0), (2, 8, 0), (4, 8, 0)]
+        if device == "cuda":
+            configs += [(1, 4, 256), (2, 8, 256)]
         for index in range(args.control_trials):
-            block_h, warps = [(1, 4), (2, 4), (2, 8), (4, 8)][index % 4]
-            wrong = run_control_trial(device, gen, block_h, warps)
-            stats = control_by_config.setdefault(f"block_h={block_h},num_warps={warps}", [0, 0])
+            block_h, warps, skew = configs[index % len(configs)]
+            wrong = run_control_trial(device, gen, block_h, warps, skew)
+            key = f"block_h={block_h},num_warps={warps},skew={skew}"
+            stats = control_by_config.setdefault(key, [0, 0])
             stats[0] += 1
             stats[1] += wrong > 0
             control_failed += wrong > 0

@@ -9,6 +9,12 @@ thread that owns output ``k`` (and, when the tile is smaller than the CTA, by co
 other warps); nothing orders a store of one warp after a load of another, and the scan lets
 warps drift apart, so a late warp can read an already-rotated value.
 
+``skew_steps > 0`` (GPU only) adds a skew injector that changes nothing in the arithmetic:
+before its loads, warp 0 of each program walks a chain of ``skew_steps`` dependent loads that
+the other warps skip (the warp is read from ``%tid.x``), so the other warps load, rotate and
+store first and warp 0 then loads values they already rotated. It makes the same missing
+barrier show up reliably instead of once in a hundred trials.
+
 Never used by the library. It exists so that ``python -m mlarope stress`` can show that its
 harness sees races: the control must fail where ours never does. (Under Triton's interpreter
 programs and threads run one after another, so the control never races there.)
@@ -33,8 +39,11 @@ def _racy_rope_inplace_kernel(
     stride_xt,
     stride_xh,
     stride_table,
+    skew_ptr,  # int32 zeros, the skew chain's target (SKEW only)
+    skew_steps,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    SKEW: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -49,8 +58,16 @@ def _racy_rope_inplace_kernel(
     c_b = tl.load(cos_ptr + pos * stride_table + HALF + j).to(tl.float32)[None, :]
     s_a = tl.load(sin_ptr + pos * stride_table + j).to(tl.float32)[None, :]
     s_b = tl.load(sin_ptr + pos * stride_table + HALF + j).to(tl.float32)[None, :]
-    a = tl.load(row + 2 * j[None, :], mask=m).to(tl.float32)
-    b = tl.load(row + 2 * j[None, :] + 1, mask=m).to(tl.float32)
+    hop = tl.zeros((BLOCK_H, HALF), dtype=tl.int32)
+    if SKEW:
+        tid = tl.inline_asm_elementwise(
+            "mov.u32 $0, %tid.x;", "=r,r", [hop], dtype=tl.int32, is_pure=True, pack=1
+        )
+        slow = (tid // 32) == 0
+        for _ in range(skew_steps):
+            hop = tl.load(skew_ptr + hop, mask=slow, other=0)
+    a = tl.load(row + 2 * j[None, :] + hop, mask=m).to(tl.float32)
+    b = tl.load(row + 2 * j[None, :] + 1 + hop, mask=m).to(tl.float32)
     out_a = a * c_a - b * s_a
     out_b = b * c_b + a * s_b
     # The bug: no barrier here.
@@ -66,16 +83,19 @@ def racy_rope_inplace(
     *,
     block_h: int = 2,
     num_warps: int = 4,
+    skew_steps: int = 0,
 ) -> None:
     """Rotate ``x: [T, H, N + R]`` (interleaved in, half-split out) in place, racily.
 
-    ``cos, sin: [P, R]`` contiguous; ``cu_seqlens: [n + 1]`` with ``cu_seqlens[-1] == T``.
+    ``cos, sin: [P, R]`` contiguous; ``cu_seqlens: [n + 1]`` with ``cu_seqlens[-1] == T``;
+    ``skew_steps > 0`` delays warp 0 (CUDA only, see the module docstring).
     """
+    skew = torch.zeros(16, dtype=torch.int32, device=x.device)
     n_tokens, n_heads, width = x.shape
     rope_dim = cos.shape[-1]
     grid = (n_tokens, triton.cdiv(n_heads, block_h))
     _racy_rope_inplace_kernel[grid](
         x, cos, sin, cu_seqlens, cu_seqlens.shape[0] - 1, n_heads, width - rope_dim,
-        x.stride(0), x.stride(1), cos.stride(0), HALF=rope_dim // 2, BLOCK_H=block_h,
-        num_warps=num_warps,
+        x.stride(0), x.stride(1), cos.stride(0), skew, skew_steps, HALF=rope_dim // 2,
+        BLOCK_H=block_h, SKEW=skew_steps > 0, num_warps=num_warps,
     )  # fmt: skip

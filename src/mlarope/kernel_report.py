@@ -1,0 +1,151 @@
+"""Compile the kernels for an H100/H200 (sm_90a) without a GPU and report what the compiler made.
+
+``python -m mlarope.kernel_report`` prints, per kernel at DeepSeek-V3 shapes: registers per
+thread and spill bytes (from ``ptxas -v``), shared memory, and the memory instruction mix of
+the PTX (global loads and stores, how many are 16-byte vectors, barriers, shared-memory
+stores, 64-bit divisions). Pointers and the strides that a real launch sees as multiples of 16
+are marked so, as Triton's launcher specializes them, so the code is the code that runs.
+
+It needs Triton's bundled ``ptxas`` (part of the triton wheel on x86-64 Linux), not a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+PATTERNS = {
+    "ld.global": r"ld\.global",
+    "ld.global.v4": r"ld\.global\S*\.v4",
+    "st.global": r"st\.global",
+    "st.global.v4": r"st\.global\S*\.v4",
+    "bar.sync": r"\bbar\.sync|\bbarrier\.sync",
+    "st.shared": r"st\.shared",
+    "div/rem.64": r"(div|rem)\.[su]64",
+}
+
+
+@dataclass
+class KernelReport:
+    name: str
+    num_warps: int
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    counts: dict
+
+
+def _ptxas() -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Triton's ptxas is not at {path}")
+    return path
+
+
+def compile_report(fn, pointer_types: dict, constexprs: dict, num_warps: int, name: str):
+    """Compile ``fn`` for sm_90a with the given pointer dtypes and constexprs -> KernelReport."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {
+        arg: "constexpr" if arg in constexprs else pointer_types.get(arg, "i32")
+        for arg in fn.arg_names
+    }
+    aligned = [
+        i
+        for i, arg in enumerate(fn.arg_names)
+        if arg in pointer_types
+        or (arg.startswith("stride") and not arg.startswith("stride_id"))
+        or arg in ("n_nope", "k_dim", "v_dim")
+    ]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path = os.path.join(tmp, "k.ptx")
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [_ptxas(), "-v", "-arch=sm_90a", ptx_path, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    lines = ptx.splitlines()
+    counts = {k: sum(1 for line in lines if re.search(p, line)) for k, p in PATTERNS.items()}
+    return KernelReport(
+        name, num_warps, registers, int(spill.group(1)) if spill else 0,
+        kernel.metadata.shared, counts,
+    )  # fmt: skip
+
+
+def deepseek_v3_reports() -> list[KernelReport]:
+    """The kernels with the launch configuration the heuristics pick at DeepSeek-V3 shapes
+    (H = 128, N = 128, R = 64, K = V = 128, bf16, fp32 tables)."""
+    from .kernels.kv import (
+        _rope_kv_bwd_kernel,
+        _rope_kv_fwd_kernel,
+        choose_kv_backward_config,
+        choose_kv_config,
+    )
+    from .kernels.q import _rope_q_kernel, choose_q_config
+
+    tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "cu_ptr": "*i32", "ids_ptr": "*i32"}
+    reports = []
+    qc = choose_q_config(16384, 128, 128, 64)
+    q_ptrs = {"x_ptr": "*bf16", "out_ptr": "*bf16", **tables}
+    for mode, label in ((0, "sbhd"), (2, "thd cu_seqlens")):
+        for inplace in (True, False):
+            consts = dict(
+                POS_MODE=mode, HALF=32, BLOCK_T=qc.block_t, BLOCK_H=qc.block_h,
+                BLOCK_N=qc.block_n, INTERLEAVED_IN=True, INTERLEAVED_OUT=False, INVERSE=False,
+                TRANSPOSE=False, IN_PLACE=inplace,
+            )  # fmt: skip
+            name = f"q {'in place' if inplace else 'out of place'}, {label}"
+            reports.append(compile_report(_rope_q_kernel, q_ptrs, consts, qc.num_warps, name))
+    kc = choose_kv_config(16384, 128, 128)
+    kv_ptrs = {"kv_ptr": "*bf16", "kpe_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", **tables}
+    consts = dict(
+        POS_MODE=0, HALF=32, BLOCK_T=kc.block_t, BLOCK_H=kc.block_h, BLOCK_C=kc.block_c,
+        INTERLEAVED_IN=True, INTERLEAVED_OUT=False, COPY_V=True,
+    )  # fmt: skip
+    reports.append(compile_report(_rope_kv_fwd_kernel, kv_ptrs, consts, kc.num_warps, "kv fwd"))
+    bc = choose_kv_backward_config(16384, 128, 128)
+    bwd_ptrs = {
+        "dk_ptr": "*bf16",
+        "dv_ptr": "*bf16",
+        "dkv_ptr": "*bf16",
+        "dpe_ptr": "*bf16",
+        **tables,
+    }
+    consts = dict(
+        POS_MODE=0, HALF=32, BLOCK_T=bc.block_t, BLOCK_H=bc.block_h, BLOCK_C=bc.block_c,
+        INTERLEAVED_IN=True, INTERLEAVED_OUT=False,
+    )  # fmt: skip
+    reports.append(compile_report(_rope_kv_bwd_kernel, bwd_ptrs, consts, bc.num_warps, "kv bwd"))
+    return reports
+
+
+def main() -> int:
+    print(
+        "| kernel | warps | registers | spill bytes | shared bytes | " + " | ".join(PATTERNS) + " |"
+    )
+    print("|---" * (5 + len(PATTERNS)) + "|")
+    for r in deepseek_v3_reports():
+        cells = [r.name, r.num_warps, r.registers, r.spill_bytes, r.shared_bytes]
+        cells += [r.counts[k] for k in PATTERNS]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
