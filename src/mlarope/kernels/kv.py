@@ -7,7 +7,8 @@ Forward: one program owns ``BLOCK_T`` tokens x ``BLOCK_H`` heads. It rotates the
 Backward: one program owns ``BLOCK_T`` tokens and *all* heads, so the sum over heads of
 ``dk[..., K:]`` never leaves the program: it is accumulated in fp32 in a fixed order that does
 not depend on the block sizes (chunks of 16 heads, each a pairwise tree, the chunks added one
-after another), transpose-rotated and rounded once. No atomics, bitwise deterministic. The same program writes ``dkv``.
+after another), transpose-rotated and rounded once. No atomics, bitwise deterministic. The
+same program writes ``dkv``.
 """
 
 from __future__ import annotations
