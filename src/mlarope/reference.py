@@ -170,9 +170,8 @@ def rope_kv_backward(
     ``dkv: [tokens..., H, K + V]``, ``dk_pe: [tokens..., R]``.
 
     ``dk_pe`` is the transpose rotation of the sum over heads of ``dk[..., K:]``, accumulated in
-    the compute dtype head after head (``((g_0 + g_1) + g_2) + ...``) and rounded once. (The
-    Triton kernel sums in another fixed order, a pairwise tree over chunks of 16 heads; both
-    are within the fp32 summation bound.)
+    the compute dtype head after head (``((g_0 + g_1) + g_2) + ...``, the kernels' order) and
+    rounded once.
     """
     dtype = compute_dtype(dk.dtype)
     dkv = torch.cat((dk[..., :k_dim], dv), dim=-1)

@@ -5,10 +5,9 @@ Forward: one program owns ``BLOCK_T`` tokens x ``BLOCK_H`` heads. It rotates the
 ``kv[..., :K]`` into ``k`` and (``COPY_V``) ``kv[..., K:]`` into ``v``.
 
 Backward: one program owns ``BLOCK_T`` tokens and *all* heads, so the sum over heads of
-``dk[..., K:]`` never leaves the program: it is accumulated in fp32 in a fixed order that does
-not depend on the block sizes (chunks of 16 heads, each a pairwise tree, the chunks added one
-after another), transpose-rotated and rounded once. No atomics, bitwise deterministic. The
-same program writes ``dkv``.
+``dk[..., K:]`` never leaves the program: it is accumulated in fp32 head after head
+(``((g_0 + g_1) + g_2) + ...``, the same order whatever the block sizes), transpose-rotated and
+rounded once. No atomics, bitwise deterministic. The same program writes ``dkv``.
 """
 
 from __future__ import annotations
@@ -143,6 +142,11 @@ def _rope_kv_bwd_kernel(
     r = tl.arange(0, 2 * HALF)[None, :]
     m_r = m_t[:, None] & (r < 2 * HALF)
 
+    # Fixed-order fp32 sum over heads: head h is added after head h - 1 whatever BLOCK_H is.
+    # It starts from head 0 itself (starting from +0.0 would turn an all -0.0 sum into +0.0),
+    # and masked heads are skipped with a select rather than added as zeros.
+    g_row = dk_ptr + dk_tok[:, None] + k_dim + r
+    total = tl.load(g_row, mask=m_r, other=0.0).to(tl.float32)
     for h0 in range(0, n_heads, BLOCK_H):
         o_h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
         m_row = m_t[:, None, None] & (o_h < n_heads)[None, :, None]
@@ -151,26 +155,11 @@ def _rope_kv_bwd_kernel(
         dkv_row = dkv_tok[:, None, None] + (o_h * stride_dkvh)[None, :, None]
         _copy_channels(dk_ptr, dkv_ptr, dk_row, dkv_row, m_row, k_dim, BLOCK_C)
         _copy_channels(dv_ptr, dkv_ptr + k_dim, dv_row, dkv_row, m_row, v_dim, BLOCK_C)
-
-    # Fixed-order fp32 sum over heads, independent of the launch configuration: chunks of 16
-    # heads (one vectorized [BLOCK_T, 16, R] load), each summed by a fixed pairwise tree
-    # (h0 + h1) + (h2 + h3) ..., the chunks added one after another.
-    total = tl.zeros((BLOCK_T, 2 * HALF), dtype=tl.float32)
-    for s0 in range(0, n_heads, 16):
-        o_s = (s0 + tl.arange(0, 16)).to(tl.int64)
-        g_ptr = dk_ptr + dk_tok[:, None, None] + (o_s * stride_dkh)[None, :, None] + k_dim
-        m_g = m_t[:, None, None] & (o_s < n_heads)[None, :, None] & (r[:, None, :] < 2 * HALF)
-        g = tl.load(g_ptr + r[:, None, :], mask=m_g, other=0.0).to(tl.float32)
-        g = tl.permute(g, (0, 2, 1))  # [BLOCK_T, R, 16]
-        left, right = tl.split(tl.reshape(g, (BLOCK_T, 2 * HALF, 8, 2)))
-        g = left + right
-        left, right = tl.split(tl.reshape(g, (BLOCK_T, 2 * HALF, 4, 2)))
-        g = left + right
-        left, right = tl.split(tl.reshape(g, (BLOCK_T, 2 * HALF, 2, 2)))
-        g = left + right
-        left, right = tl.split(g)
-        chunk = left + right
-        total = tl.where(s0 == 0, chunk, total + chunk)
+        for hh in tl.static_range(BLOCK_H):
+            h = h0 + hh
+            add = (h > 0) & (h < n_heads)
+            g = tl.load(g_row + h.to(tl.int64) * stride_dkh, mask=m_r & add, other=0.0)
+            total = tl.where(add, total + g.to(tl.float32), total)
 
     pos, is_padding = token_positions(
         o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
