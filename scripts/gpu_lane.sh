@@ -2,7 +2,8 @@
 # The GPU lane: one script reproduces every GPU figure of docs/ (tests on CUDA, the stress run
 # with its racy control, the benchmark, the 2-GPU NCCL context-parallel test).
 #
-#   OUT=DIR bash scripts/gpu_lane.sh [info] [tests] [stress] [bench] [cp]   (default: all)
+#   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
+#   (default: all, in that order)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -20,7 +21,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info stress bench tests cp)
+[ ${#steps[@]} -eq 0 ] && steps=(info stress bench tests cp compile_debug)
 status=0
 for step in "${steps[@]}"; do
   echo "=== $step ($(date -u +%FT%TZ))"
@@ -47,6 +48,12 @@ for step in "${steps[@]}"; do
     cp)
       timeout 120 python3 -m pytest -q -m gpu tests/test_context_parallel.py --device cuda \
         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/cp.log" ;;
+    compile_debug)
+      # The open CUDA-only torch.compile gradient bug (docs/gpu_lane.md): Inductor's generated
+      # code and the three call patterns' results, for reading off the machine.
+      TORCH_LOGS=output_code timeout 120 python3 -m pytest -q -p no:cacheprovider --device cuda \
+        "tests/test_q.py::test_q_torch_compile_fullgraph" > "$OUT/compile_debug.log" 2>&1
+      tail -5 "$OUT/compile_debug.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
