@@ -7,7 +7,8 @@
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
-# are installed into /tmp/site when present. Every step writes its log / JSON under $OUT.
+# are installed into /tmp/site when present. Every step writes its log / JSON under $OUT
+# (8 files in all: the device tool brings back at most 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -35,7 +36,7 @@ for step in "${steps[@]}"; do
     stress)
       python3 -m mlarope stress --trials "${STRESS_TRIALS:-20000}" \
         --control-trials "${CONTROL_TRIALS:-500}" --workers 14 --json "$OUT/stress.json" \
-        --max-seconds "${STRESS_SECONDS:-300}" 2>&1 | tail -30 | tee "$OUT/stress.log" ;;
+        --max-seconds "${STRESS_SECONDS:-300}" 2>&1 | tail -30 ;;
     bench)
       # Ours, Megatron and the eager reference on every case; torch.compile (slow to compile)
       # on the sbhd case; then one merged table, JSON and plot.
