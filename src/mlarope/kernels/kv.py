@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .._checks import Positions
 from ._lookup import VARYING_INTS, load_table_halves, next_power_of_2, rotate, token_positions
-from .q import as_4d, position_args
+from .q import cdiv, geometry, position_args
 
 
 @triton.jit
@@ -244,30 +244,33 @@ def rope_kv_launch(
     config: KVLaunchConfig | None = None,
 ) -> None:
     """Forward: ``kv: [tokens..., H, K + V]``, ``k_pe: [tokens..., R]`` into ``k`` and ``v``."""
-    token_shape = tuple(kv.shape[:-2])
-    kv4, k4 = as_4d(kv), as_4d(k)
-    pe3 = k_pe.unsqueeze(1) if k_pe.dim() == 2 else k_pe
-    d0, d1, n_heads, width = kv4.shape
+    d0, d1, n_heads, width, stride_kv0, stride_kv1, stride_kvh = geometry(kv)
+    _, _, _, _, stride_k0, stride_k1, stride_kh = geometry(k)
+    pe_stride = k_pe.stride()
+    stride_pe0, stride_pe1 = (pe_stride[0], 0) if k_pe.dim() == 2 else pe_stride[:2]
     rope_dim = cos.shape[-1]
     v_dim = width - k_dim
     n_tokens = d0 * d1
     if n_tokens == 0 or n_heads == 0:
         return
     config = config or choose_kv_config(n_tokens, n_heads, max(k_dim, v_dim, rope_dim))
-    v4 = as_4d(v) if v is not None else k4
-    grid = (triton.cdiv(n_tokens, config.block_t), triton.cdiv(n_heads, config.block_h))
+    if v is None:
+        v, stride_v0, stride_v1, stride_vh = k, 0, 0, 0
+    else:
+        _, _, _, _, stride_v0, stride_v1, stride_vh = geometry(v)
+    grid = (cdiv(n_tokens, config.block_t), cdiv(n_heads, config.block_h))
     _rope_kv_fwd_kernel[grid](
-        kv4, pe3, k4, v4, cos, sin,
+        kv, k_pe, k, v, cos, sin,
         n_tokens=n_tokens, D1=d1, n_heads=n_heads, k_dim=k_dim, v_dim=v_dim, n_rows=cos.shape[0],
-        stride_kv0=kv4.stride(0), stride_kv1=kv4.stride(1), stride_kvh=kv4.stride(2),
-        stride_pe0=pe3.stride(0), stride_pe1=pe3.stride(1),
-        stride_k0=k4.stride(0), stride_k1=k4.stride(1), stride_kh=k4.stride(2),
-        stride_v0=v4.stride(0), stride_v1=v4.stride(1), stride_vh=v4.stride(2),
+        stride_kv0=stride_kv0, stride_kv1=stride_kv1, stride_kvh=stride_kvh,
+        stride_pe0=stride_pe0, stride_pe1=stride_pe1,
+        stride_k0=stride_k0, stride_k1=stride_k1, stride_kh=stride_kh,
+        stride_v0=stride_v0, stride_v1=stride_v1, stride_vh=stride_vh,
         stride_table=cos.stride(0), cp_rank=positions.cp_rank, cp_size=positions.cp_size,
         HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
         BLOCK_C=config.block_c, INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
-        COPY_V=v is not None, num_warps=config.num_warps,
-        **position_args(positions, kv, token_shape),
+        COPY_V=v is not k, num_warps=config.num_warps,
+        **position_args(positions, kv, (d0, d1)),
     )  # fmt: skip
 
 
@@ -287,11 +290,10 @@ def rope_kv_backward_launch(
 ) -> None:
     """Backward: ``dk: [tokens..., H, K + R]``, ``dv: [tokens..., H, V]`` into
     ``dkv: [tokens..., H, K + V]`` and contiguous ``dk_pe: [tokens..., R]``, one launch."""
-    token_shape = tuple(dk.shape[:-2])
-    dk4, dv4, dkv4 = as_4d(dk), as_4d(dv), as_4d(dkv)
-    d0, d1, n_heads, _ = dk4.shape
+    d0, d1, n_heads, _, stride_dk0, stride_dk1, stride_dkh = geometry(dk)
+    _, _, _, v_dim, stride_dv0, stride_dv1, stride_dvh = geometry(dv)
+    _, _, _, _, stride_dkv0, stride_dkv1, stride_dkvh = geometry(dkv)
     rope_dim = cos.shape[-1]
-    v_dim = dv4.shape[-1]
     n_tokens = d0 * d1
     if n_tokens == 0:
         return
@@ -299,15 +301,15 @@ def rope_kv_backward_launch(
         dk_pe.zero_()
         return
     config = config or choose_kv_backward_config(n_tokens, n_heads, max(k_dim, v_dim))
-    grid = (triton.cdiv(n_tokens, config.block_t),)
+    grid = (cdiv(n_tokens, config.block_t),)
     _rope_kv_bwd_kernel[grid](
-        dk4, dv4, dkv4, dk_pe, cos, sin,
+        dk, dv, dkv, dk_pe, cos, sin,
         n_tokens=n_tokens, D1=d1, n_heads=n_heads, k_dim=k_dim, v_dim=v_dim, n_rows=cos.shape[0],
-        stride_dk0=dk4.stride(0), stride_dk1=dk4.stride(1), stride_dkh=dk4.stride(2),
-        stride_dv0=dv4.stride(0), stride_dv1=dv4.stride(1), stride_dvh=dv4.stride(2),
-        stride_dkv0=dkv4.stride(0), stride_dkv1=dkv4.stride(1), stride_dkvh=dkv4.stride(2),
+        stride_dk0=stride_dk0, stride_dk1=stride_dk1, stride_dkh=stride_dkh,
+        stride_dv0=stride_dv0, stride_dv1=stride_dv1, stride_dvh=stride_dvh,
+        stride_dkv0=stride_dkv0, stride_dkv1=stride_dkv1, stride_dkvh=stride_dkvh,
         stride_table=cos.stride(0), cp_rank=positions.cp_rank, cp_size=positions.cp_size,
         HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
         BLOCK_C=config.block_c, INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
-        num_warps=config.num_warps, **position_args(positions, dk, token_shape),
+        num_warps=config.num_warps, **position_args(positions, dk, (d0, d1)),
     )  # fmt: skip

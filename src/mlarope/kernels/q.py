@@ -185,9 +185,19 @@ def position_args(positions: Positions, x: torch.Tensor, token_shape: tuple[int,
     )  # fmt: skip
 
 
-def as_4d(t: torch.Tensor) -> torch.Tensor:
-    """``[T, H, D]`` -> ``[T, 1, H, D]`` view; 4-D tensors unchanged."""
-    return t.unsqueeze(1) if t.dim() == 3 else t
+def geometry(t: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
+    """``(D0, D1, H, D, stride0, stride1, stride_h)`` of ``[D0, D1, H, D]`` or ``[T, H, D]``
+    (as ``[T, 1, H, D]``), read without making views: this runs on every call."""
+    shape, stride = t.shape, t.stride()
+    if len(shape) == 3:
+        return shape[0], 1, shape[1], shape[2], stride[0], 0, stride[1]
+    return shape[0], shape[1], shape[2], shape[3], stride[0], stride[1], stride[2]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division in plain Python (``triton.cdiv`` goes through Triton's JIT wrapper,
+    several microseconds a call on the launch path)."""
+    return -(-a // b)
 
 
 def rope_q_launch(
@@ -207,26 +217,26 @@ def rope_q_launch(
 
     ``cos, sin: [P, R]``. Out of place, ``out`` gets the nope channels too.
     """
-    token_shape = tuple(x.shape[:-2])
-    x4, out4 = as_4d(x), as_4d(out)
-    d0, d1, n_heads, width = x4.shape
+    d0, d1, n_heads, width, stride_x0, stride_x1, stride_xh = geometry(x)
+    _, _, _, _, stride_o0, stride_o1, stride_oh = geometry(out)
     rope_dim = cos.shape[-1]
     n_nope = width - rope_dim
     n_tokens = d0 * d1
     if n_tokens == 0 or n_heads == 0:
         return
     config = config or choose_q_config(n_tokens, n_heads, n_nope, rope_dim)
-    grid = (triton.cdiv(n_tokens, config.block_t), triton.cdiv(n_heads, config.block_h))
+    grid = (cdiv(n_tokens, config.block_t), cdiv(n_heads, config.block_h))
     _rope_q_kernel[grid](
-        x4, out4, cos, sin,
+        x, out, cos, sin,
         n_tokens=n_tokens, D1=d1, n_heads=n_heads, n_nope=n_nope, n_rows=cos.shape[0],
-        stride_x0=x4.stride(0), stride_x1=x4.stride(1), stride_xh=x4.stride(2),
-        stride_o0=out4.stride(0), stride_o1=out4.stride(1), stride_oh=out4.stride(2),
+        stride_x0=stride_x0, stride_x1=stride_x1, stride_xh=stride_xh,
+        stride_o0=stride_o0, stride_o1=stride_o1, stride_oh=stride_oh,
         stride_table=cos.stride(0),
         cp_rank=positions.cp_rank, cp_size=positions.cp_size,
         HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
         BLOCK_N=config.block_n, INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
-        INVERSE=inverse, TRANSPOSE=transpose, IN_PLACE=x.data_ptr() == out.data_ptr(),
+        INVERSE=inverse, TRANSPOSE=transpose,
+        IN_PLACE=out is x or out.data_ptr() == x.data_ptr(),
         num_warps=config.num_warps,
-        **position_args(positions, x, token_shape),
+        **position_args(positions, x, (d0, d1)),
     )  # fmt: skip
