@@ -291,25 +291,21 @@ def fused_mla_rope_inplace(
         ``t`` itself, rotated in place (Megatron returns an alias of ``t``'s storage). The
         mutation is declared to autograd (``mark_dirty``).
     """
-    fn = "fused_mla_rope_inplace"
+    return _mla_rope(
+        "fused_mla_rope_inplace", True, t, cos, sin, nope_dim, emb_dim, cu_seqlens_q, cp_rank,
+        cp_size, rotary_interleaved, inverse, remove_interleaving, position_ids, validate,
+    )  # fmt: skip
+
+
+def _mla_rope(fn: str, inplace: bool, t, cos, sin, nope_dim, emb_dim, cu_seqlens_q, cp_rank,
+              cp_size, rotary_interleaved, inverse, remove_interleaving, position_ids,
+              validate) -> torch.Tensor:  # fmt: skip
+    """The shared body of ``fused_mla_rope_inplace`` / ``fused_mla_rope_out_of_place``."""
     kwargs = _q_kwargs(
-        fn,
-        t,
-        cos,
-        sin,
-        nope_dim,
-        emb_dim,
-        cu_seqlens_q,
-        cp_rank,
-        cp_size,
-        rotary_interleaved,
-        inverse,
-        remove_interleaving,
-        position_ids,
-        "nope_dim",
-        validate,
-    )
-    return _rope_q(fn, t, cos, sin, True, kwargs)
+        fn, t, cos, sin, nope_dim, emb_dim, cu_seqlens_q, cp_rank, cp_size, rotary_interleaved,
+        inverse, remove_interleaving, position_ids, "nope_dim", validate,
+    )  # fmt: skip
+    return _rope_q(fn, t, cos, sin, inplace, kwargs)
 
 
 def fused_mla_rope_out_of_place(
@@ -337,25 +333,11 @@ def fused_mla_rope_out_of_place(
         Megatron clones ``t`` and rotates the clone in place; mlarope reads ``t`` once and
         writes the output once.
     """
-    fn = "fused_mla_rope_out_of_place"
-    kwargs = _q_kwargs(
-        fn,
-        t,
-        cos,
-        sin,
-        nope_dim,
-        emb_dim,
-        cu_seqlens_q,
-        cp_rank,
-        cp_size,
-        rotary_interleaved,
-        inverse,
-        remove_interleaving,
-        position_ids,
-        "nope_dim",
+    return _mla_rope(
+        "fused_mla_rope_out_of_place", False, t, cos, sin, nope_dim, emb_dim, cu_seqlens_q,
+        cp_rank, cp_size, rotary_interleaved, inverse, remove_interleaving, position_ids,
         validate,
-    )
-    return _rope_q(fn, t, cos, sin, False, kwargs)
+    )  # fmt: skip
 
 
 def fused_apply_mla_rope_for_q(
