@@ -3,7 +3,9 @@
 # with its racy control, the benchmark, the 2-GPU NCCL context-parallel test).
 #
 #   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
-#   (default: all, in that order)
+#                                    [sweep] [sweep_base]
+#   (default: the first six, in that order; sweep = python -m mlarope.sweep, the launch-config
+#   sweep; sweep_base = its heuristic rows for the package copy in .ab/base, an A/B baseline)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -49,10 +51,16 @@ for step in "${steps[@]}"; do
     cp)
       timeout 120 python3 -m pytest -q -m gpu tests/test_context_parallel.py --device cuda \
         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/cp.log" ;;
+    sweep)
+      timeout "${SWEEP_SECONDS:-280}" python3 -m mlarope.sweep --label new --json "$OUT/sweep.json" 2>&1 | tail -120 ;;
+    sweep_base)
+      PYTHONPATH="$PWD/.ab/base:${PYTHONPATH#*:}" timeout 90 python3 -m mlarope.sweep \
+        --label base --heuristic-only --ops q_inplace,kv,kv_no_v,kv_bwd \
+        --json "$OUT/sweep_base.json" 2>&1 | tail -20 ;;
     compile_debug)
       # The open CUDA-only torch.compile gradient bug (docs/gpu_lane.md): Inductor's generated
       # code and the three call patterns' results, for reading off the machine.
-      TORCH_LOGS=output_code timeout 120 python3 -m pytest -q -p no:cacheprovider --device cuda \
+      TORCH_LOGS=output_code timeout 70 python3 -m pytest -q -p no:cacheprovider --device cuda \
         "tests/test_q.py::test_q_torch_compile_fullgraph" > "$OUT/compile_debug.log" 2>&1
       tail -5 "$OUT/compile_debug.log" ;;
     *) echo "unknown step $step"; status=2 ;;

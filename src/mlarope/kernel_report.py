@@ -119,7 +119,7 @@ def deepseek_v3_reports() -> list[KernelReport]:
         INTERLEAVED_IN=True, INTERLEAVED_OUT=False, COPY_V=True,
     )  # fmt: skip
     reports.append(compile_report(_rope_kv_fwd_kernel, kv_ptrs, consts, kc.num_warps, "kv fwd"))
-    bc = choose_kv_backward_config(16384, 128, 128)
+    bc = choose_kv_backward_config(16384, 128, 128, 64)
     bwd_ptrs = {
         "dk_ptr": "*bf16",
         "dv_ptr": "*bf16",
@@ -129,7 +129,7 @@ def deepseek_v3_reports() -> list[KernelReport]:
     }
     consts = dict(
         POS_MODE=0, HALF=32, BLOCK_T=bc.block_t, BLOCK_H=bc.block_h, BLOCK_C=bc.block_c,
-        INTERLEAVED_IN=True, INTERLEAVED_OUT=False,
+        HEADS_P2=128, INTERLEAVED_IN=True, INTERLEAVED_OUT=False,
     )  # fmt: skip
     reports.append(compile_report(_rope_kv_bwd_kernel, bwd_ptrs, consts, bc.num_warps, "kv bwd"))
     return reports

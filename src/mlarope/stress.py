@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
@@ -53,10 +54,12 @@ class Trial:
     cp_rank: int
     config: tuple | None
     seq_lens: tuple = ()
+    variant: int = 0
 
 
 def draw_trial(rng: random.Random, small: bool) -> Trial:
-    variant = rng.choice(variant_pool())
+    variant_index = rng.randrange(len(variant_pool()))
+    variant = variant_pool()[variant_index]
     dtype, table_dtype, interleaved, interleaved_out, inverse, inplace, config, dims = variant
     op, rope, heads, nope, v_dim = dims
     if small:
@@ -94,7 +97,7 @@ def draw_trial(rng: random.Random, small: bool) -> Trial:
         op=op, layout=layout, source=source, tokens=tokens, heads=heads, nope=nope, rope=rope,
         v_dim=v_dim, dtype=dtype, table_dtype=table_dtype, interleaved=interleaved,
         interleaved_out=interleaved_out, inverse=inverse, inplace=inplace, cp_size=cp_size,
-        cp_rank=cp_rank, config=config, seq_lens=seq_lens,
+        cp_rank=cp_rank, config=config, seq_lens=seq_lens, variant=variant_index,
     )  # fmt: skip
 
 
@@ -131,13 +134,19 @@ def _positions(trial: Trial, device, table_rows: int, gen: torch.Generator) -> P
         lens = torch.tensor((0, *trial.seq_lens), dtype=torch.int64)
         cu = lens.cumsum(0).to(torch.int32).to(device)
     elif trial.source == "ids":
-        ids = torch.randint(0, table_rows, trial.tokens, generator=gen).to(device)
+        ids = torch.randint(0, table_rows, trial.tokens, generator=gen, device=device)
     return Positions(trial.layout, cu, ids, trial.cp_rank, trial.cp_size)
 
 
+def _randn(shape, dtype, device, gen) -> torch.Tensor:
+    """Random inputs made on the device (the host-side generator was the GPU run's bottleneck
+    once kernels were compiled)."""
+    return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+
 def _tables(rows: int, rope: int, dtype, device, gen):
-    theta = torch.rand(rows, rope, generator=gen, dtype=torch.float64) * 6.3
-    return theta.cos().to(dtype).to(device), theta.sin().to(dtype).to(device)
+    theta = torch.rand(rows, rope, generator=gen, dtype=torch.float64, device=device) * 6.3
+    return theta.cos().to(dtype), theta.sin().to(dtype)
 
 
 def _count(out, truth, x_rope, cos, sin, positions, dtype, il_in, il_out, rope_at, terms=1):
@@ -158,7 +167,7 @@ def run_q_trial(trial: Trial, device, gen) -> int:
     config = QLaunchConfig(*trial.config) if trial.config else None
     wrong = 0
     for transpose in (False, True):
-        x = torch.randn(shape, generator=gen).to(dtype).to(device)
+        x = _randn(shape, dtype, device, gen)
         il_in, il_out = trial.interleaved, trial.interleaved_out
         if transpose:
             il_in, il_out = il_out, il_in
@@ -184,9 +193,8 @@ def run_kv_trial(trial: Trial, device, gen) -> int:
     cos, sin = _tables(table_rows, trial.rope, DTYPES[trial.table_dtype], device, gen)
     positions = _positions(trial, device, table_rows, gen)
     k_dim = max(trial.nope, 16)
-    kv = torch.randn((*trial.tokens, trial.heads, k_dim + trial.v_dim), generator=gen)
-    kv = kv.to(dtype).to(device)
-    k_pe = torch.randn((*trial.tokens, trial.rope), generator=gen).to(dtype).to(device)
+    kv = _randn((*trial.tokens, trial.heads, k_dim + trial.v_dim), dtype, device, gen)
+    k_pe = _randn((*trial.tokens, trial.rope), dtype, device, gen)
     config = KVLaunchConfig(*trial.config) if trial.config else None
     il_in, il_out = trial.interleaved, trial.interleaved_out
     k = poisoned_like(kv, (*kv.shape[:-1], k_dim + trial.rope))
@@ -203,8 +211,8 @@ def run_kv_trial(trial: Trial, device, gen) -> int:
     wrong = _count(k, k_truth, x_rope, cos, sin, positions, dtype, il_in, il_out, k_dim)
     wrong += int((v.double() != v_truth).sum())
 
-    dk = torch.randn(k.shape, generator=gen).to(dtype).to(device)
-    dv = torch.randn(v.shape, generator=gen).to(dtype).to(device)
+    dk = _randn(k.shape, dtype, device, gen)
+    dv = _randn(v.shape, dtype, device, gen)
     dkv = poisoned_like(kv)
     dk_pe = poisoned_like(k_pe)
     rope_kv_backward_launch(
@@ -247,19 +255,57 @@ def run_control_trial(device, gen, block_h: int, num_warps: int, skew_steps: int
     return _count(out, truth, x.double(), cos, sin, positions, torch.bfloat16, True, False, 0)
 
 
-def run_trials(seed: int, first: int, count: int, device: str, small: bool) -> dict:
-    """Trials ``first .. first + count - 1``; each draws from its own seed, so results do not
-    depend on how trials are split among worker processes."""
-    failures, counts = [], {"q": 0, "kv": 0}
-    for index in range(first, first + count):
-        rng = random.Random(seed * 1_000_003 + index)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        trial = draw_trial(rng, small)
+def trial_for(seed: int, index: int, small: bool) -> Trial:
+    """Trial ``index`` of a run: drawn from its own seed, so results do not depend on how
+    trials are split among worker processes or in which order they run."""
+    return draw_trial(random.Random(seed * 1_000_003 + index), small)
+
+
+def run_trials(seed: int, indices: tuple[int, ...], device: str, small: bool) -> dict:
+    """Run the given trials; count the wrong elements of each."""
+    failures, counts, coverage = [], {"q": 0, "kv": 0}, Counter()
+    for index in indices:
+        trial = trial_for(seed, index, small)
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
         counts[trial.op] += 1
+        coverage.update(coverage_keys(trial))
         wrong = (run_q_trial if trial.op == "q" else run_kv_trial)(trial, device, gen)
         if wrong:
             failures.append({"trial": index, "wrong_elements": wrong, **asdict(trial)})
-    return {"failures": failures, "counts": counts, "count": count}
+    return {"failures": failures, "counts": counts, "count": len(indices), "coverage": coverage}
+
+
+def coverage_keys(trial: Trial) -> list[str]:
+    """What a trial exercised, for the summary's coverage table (both directions each time:
+    forward and backward of the op)."""
+    config = "heuristic" if trial.config is None else "x".join(map(str, trial.config))
+    return [
+        f"op={trial.op}",
+        f"layout={trial.layout}/{trial.source}",
+        f"dtype={trial.dtype}",
+        f"table={trial.table_dtype}",
+        f"config={config}",
+        f"cp_size={trial.cp_size}",
+        f"rope={trial.rope}",
+        f"heads={trial.heads}",
+        f"interleaved={trial.interleaved}->{trial.interleaved_out}",
+    ] + ([f"inplace={trial.inplace}", f"inverse={trial.inverse}"] if trial.op == "q" else [])
+
+
+def plan_jobs(seed: int, trials: int, small: bool, chunk: int) -> list[tuple[int, ...]]:
+    """Trial indices grouped into jobs of one kernel variant and position mode each, ordered so
+    that consecutive jobs differ: parallel workers then compile different kernels at the same
+    time, and a worker reuses what it compiled for the rest of its job (a GPU run was
+    compile-bound when every worker met every variant at once)."""
+    groups: dict[tuple, list[int]] = {}
+    for index in range(trials):
+        t = trial_for(seed, index, small)
+        groups.setdefault((t.variant, t.layout, t.source), []).append(index)
+    chunked = [[tuple(g[i : i + chunk]) for i in range(0, len(g), chunk)] for g in groups.values()]
+    jobs = []
+    for round_ in range(max((len(c) for c in chunked), default=0)):
+        jobs += [c[round_] for c in chunked if round_ < len(c)]
+    return jobs
 
 
 def _run_chunk(job: tuple) -> dict:
@@ -301,13 +347,14 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     small = args.small or device == "cpu"
-    chunk = max(1, min(100, args.trials // max(1, 4 * args.workers)))
+    chunk = max(1, min(50, args.trials // max(1, 4 * args.workers)))
     jobs = [
-        (args.seed, first, min(chunk, args.trials - first), device, small)
-        for first in range(0, args.trials, chunk)
+        (args.seed, indices, device, small)
+        for indices in plan_jobs(args.seed, args.trials, small, chunk)
     ]
     failures: list[dict] = []
     counts = {"q": 0, "kv": 0}
+    coverage: Counter = Counter()
     start = time.perf_counter()
     with Progress(console=console, transient=False) as progress:
         task = progress.add_task("mlarope trials", total=args.trials)
@@ -320,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
             failures += result["failures"]
             for op, n in result["counts"].items():
                 counts[op] += n
+            coverage.update(result["coverage"])
             progress.advance(task, result["count"])
             if args.max_seconds and time.perf_counter() - start > args.max_seconds:
                 break
@@ -359,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
         "control_failed_trials": control_failed,
         "control_by_config": control_by_config,
         "seconds": round(elapsed, 1),
+        "coverage": dict(sorted(coverage.items())),
         "failures": failures[:20],
     }
     table = Table(title="mlarope stress")

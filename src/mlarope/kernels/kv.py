@@ -4,10 +4,11 @@ Forward: one program owns ``BLOCK_T`` tokens x ``BLOCK_H`` heads. It rotates the
 ``k_pe`` once (fp32, one rounding), writes it into every head's ``k[..., K:]``, and copies
 ``kv[..., :K]`` into ``k`` and (``COPY_V``) ``kv[..., K:]`` into ``v``.
 
-Backward: one program owns ``BLOCK_T`` tokens and *all* heads, so the sum over heads of
-``dk[..., K:]`` never leaves the program: it is accumulated in fp32 head after head
-(``((g_0 + g_1) + g_2) + ...``, the same order whatever the block sizes), transpose-rotated and
-rounded once. No atomics, bitwise deterministic. The same program writes ``dkv``.
+Backward: the same tiling copies ``dk[..., :K]`` and ``dv`` into ``dkv``. The programs of the
+first head block also own their tokens' ``dk_pe``: the sum over *all* heads of ``dk[..., K:]``
+(fp32, in a fixed order that depends on the head count only: ``_sum_heads``), transpose-rotated
+and rounded once. The sum never leaves one program: no atomics, bitwise deterministic, and the
+same bits for every launch configuration.
 """
 
 from __future__ import annotations
@@ -22,15 +23,6 @@ import triton.language as tl
 from .._checks import Positions
 from ._lookup import VARYING_INTS, load_table_halves, next_power_of_2, rotate, token_positions
 from .q import cdiv, geometry, position_args
-
-
-@triton.jit
-def _copy_channels(src_ptr, dst_ptr, src_row, dst_row, m_row, n_channels, BLOCK_C: tl.constexpr):
-    """Copy ``n_channels`` channels of a ``[BLOCK_T, BLOCK_H]`` block of rows."""
-    for c0 in range(0, n_channels, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)[None, None, :]
-        m = m_row & (c < n_channels)
-        tl.store(dst_ptr + dst_row + c, tl.load(src_ptr + src_row + c, mask=m), mask=m)
 
 
 @triton.jit(do_not_specialize=VARYING_INTS)
@@ -63,6 +55,21 @@ def _rope_kv_fwd_kernel(
     m_h = o_h < n_heads
     i0 = o_t // D1
     i1 = o_t % D1
+    kv_row = (i0 * stride_kv0 + i1 * stride_kv1)[:, None, None] + (o_h * stride_kvh)[None, :, None]
+    k_row = (i0 * stride_k0 + i1 * stride_k1)[:, None, None] + (o_h * stride_kh)[None, :, None]
+    v_row = (i0 * stride_v0 + i1 * stride_v1)[:, None, None] + (o_h * stride_vh)[None, :, None]
+    m_row = m_t[:, None, None] & m_h[None, :, None]
+
+    # The first channel block of K and of V is loaded before anything else: those loads do not
+    # depend on the position lookup, so they are in flight while it runs, and the program
+    # needs one memory round trip instead of three (K = V = 128 is one block).
+    c = tl.arange(0, BLOCK_C)[None, None, :]
+    m_k = m_row & (c < k_dim)
+    k_first = tl.load(kv_ptr + kv_row + c, mask=m_k)
+    if COPY_V:
+        m_v = m_row & (c < v_dim)
+        v_first = tl.load(kv_ptr + kv_row + k_dim + c, mask=m_v)
+
     pos, is_padding = token_positions(
         o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
         cp_rank, cp_size, POS_MODE,
@@ -89,9 +96,9 @@ def _rope_kv_fwd_kernel(
     out_a = out_a.to(k_ptr.dtype.element_ty)
     out_b = out_b.to(k_ptr.dtype.element_ty)
 
-    kv_row = (i0 * stride_kv0 + i1 * stride_kv1)[:, None, None] + (o_h * stride_kvh)[None, :, None]
-    k_row = (i0 * stride_k0 + i1 * stride_k1)[:, None, None] + (o_h * stride_kh)[None, :, None]
-    m_row = m_t[:, None, None] & m_h[None, :, None]
+    tl.store(k_ptr + k_row + c, k_first, mask=m_k)
+    if COPY_V:
+        tl.store(v_ptr + v_row + c, v_first, mask=m_v)
     if INTERLEAVED_OUT:
         k2 = tl.arange(0, 2 * HALF)[None, None, :]
         pairs = tl.reshape(tl.join(out_a, out_b), (BLOCK_T, 1, 2 * HALF))
@@ -105,10 +112,55 @@ def _rope_kv_fwd_kernel(
         tl.store(k_ptr + k_row + k_dim + jj, k_a, mask=m_pair)
         tl.store(k_ptr + k_row + k_dim + HALF + jj, k_b, mask=m_pair)
 
-    _copy_channels(kv_ptr, k_ptr, kv_row, k_row, m_row, k_dim, BLOCK_C)
+    # Wider K or V (more than one channel block): the rest, K and V blocks loaded together.
+    n_copy = k_dim
     if COPY_V:
-        v_row = (i0 * stride_v0 + i1 * stride_v1)[:, None, None] + (o_h * stride_vh)[None, :, None]
-        _copy_channels(kv_ptr + k_dim, v_ptr, kv_row, v_row, m_row, v_dim, BLOCK_C)
+        n_copy = tl.maximum(k_dim, v_dim)
+    for c0 in range(BLOCK_C, n_copy, BLOCK_C):
+        cc = c0 + c
+        m_kc = m_row & (cc < k_dim)
+        k_blk = tl.load(kv_ptr + kv_row + cc, mask=m_kc)
+        if COPY_V:
+            m_vc = m_row & (cc < v_dim)
+            v_blk = tl.load(kv_ptr + kv_row + k_dim + cc, mask=m_vc)
+            tl.store(v_ptr + v_row + cc, v_blk, mask=m_vc)
+        tl.store(k_ptr + k_row + cc, k_blk, mask=m_kc)
+
+
+@triton.jit
+def _halve_heads(g, BLOCK_T: tl.constexpr, S: tl.constexpr, R: tl.constexpr):
+    """``[BLOCK_T, S, R] -> [BLOCK_T, S / 2, R]``: head ``h`` plus head ``h + S / 2``."""
+    pairs = tl.permute(tl.reshape(g, (BLOCK_T, 2, S // 2, R)), (0, 2, 3, 1))
+    first, second = tl.split(pairs)
+    return first + second
+
+
+@triton.jit
+def _sum_heads(dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T: tl.constexpr,
+               HEADS_P2: tl.constexpr, R: tl.constexpr):  # fmt: skip
+    """fp32 ``[BLOCK_T, R]``: the sum over heads of ``dk[..., K:]`` in a fixed order.
+
+    Heads come in chunks of 16, each summed by a fixed pairwise tree (``h + (h + 8)``, then
+    ``+ 4``, ``+ 2``, ``+ 1``), the chunks added in head order. The order depends on the head
+    count alone, never on the launch configuration or the thread layout, so every
+    configuration gives the same bits. Missing heads load as -0.0, the exact additive identity
+    (an all -0.0 gradient sums to -0.0, as in exact arithmetic)."""
+    r = tl.arange(0, R)[None, None, :]
+    total = tl.zeros((BLOCK_T, R), dtype=tl.float32)
+    for h0 in tl.static_range(0, HEADS_P2, 16):
+        h = h0 + tl.arange(0, 16)
+        rows = dk_tok[:, None, None] + (h.to(tl.int64) * stride_dkh)[None, :, None] + k_dim
+        m = m_t[:, None, None] & (h < n_heads)[None, :, None] & (r < R)
+        g = tl.load(dk_ptr + rows + r, mask=m, other=-0.0).to(tl.float32)
+        g = _halve_heads(g, BLOCK_T, 16, R)
+        g = _halve_heads(g, BLOCK_T, 8, R)
+        g = _halve_heads(g, BLOCK_T, 4, R)
+        g = tl.reshape(_halve_heads(g, BLOCK_T, 2, R), (BLOCK_T, R))
+        if h0 == 0:  # noqa: SIM108 (h0 is a compile-time constant: no select is emitted)
+            total = g
+        else:
+            total = total + g
+    return total
 
 
 @triton.jit(do_not_specialize=VARYING_INTS)
@@ -128,65 +180,71 @@ def _rope_kv_bwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    HEADS_P2: tl.constexpr,  # next power of two >= n_heads, at least 16
     INTERLEAVED_IN: tl.constexpr,  # k_pe's layout (the gradient is written in it)
     INTERLEAVED_OUT: tl.constexpr,  # k's rope layout (dk is read in it)
 ):  # fmt: skip
     i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    o_h = (i_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     m_t = o_t < n_tokens
+    m_h = o_h < n_heads
     i0 = o_t // D1
     i1 = o_t % D1
     dk_tok = i0 * stride_dk0 + i1 * stride_dk1
-    dv_tok = i0 * stride_dv0 + i1 * stride_dv1
-    dkv_tok = i0 * stride_dkv0 + i1 * stride_dkv1
-    r = tl.arange(0, 2 * HALF)[None, :]
-    m_r = m_t[:, None] & (r < 2 * HALF)
+    dk_row = dk_tok[:, None, None] + (o_h * stride_dkh)[None, :, None]
+    dv_row = (i0 * stride_dv0 + i1 * stride_dv1)[:, None, None] + (o_h * stride_dvh)[None, :, None]
+    dkv_row = (i0 * stride_dkv0 + i1 * stride_dkv1)[:, None, None] + (o_h * stride_dkvh)[
+        None, :, None
+    ]
+    m_row = m_t[:, None, None] & m_h[None, :, None]
 
-    # Fixed-order fp32 sum over heads: head h is added after head h - 1 whatever BLOCK_H is.
-    # It starts from head 0 itself (starting from +0.0 would turn an all -0.0 sum into +0.0),
-    # and masked heads are skipped with a select rather than added as zeros.
-    g_row = dk_ptr + dk_tok[:, None] + k_dim + r
-    total = tl.load(g_row, mask=m_r, other=0.0).to(tl.float32)
-    for h0 in range(0, n_heads, BLOCK_H):
-        o_h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-        m_row = m_t[:, None, None] & (o_h < n_heads)[None, :, None]
-        dk_row = dk_tok[:, None, None] + (o_h * stride_dkh)[None, :, None]
-        dv_row = dv_tok[:, None, None] + (o_h * stride_dvh)[None, :, None]
-        dkv_row = dkv_tok[:, None, None] + (o_h * stride_dkvh)[None, :, None]
-        _copy_channels(dk_ptr, dkv_ptr, dk_row, dkv_row, m_row, k_dim, BLOCK_C)
-        _copy_channels(dv_ptr, dkv_ptr + k_dim, dv_row, dkv_row, m_row, v_dim, BLOCK_C)
-        for hh in tl.static_range(BLOCK_H):
-            h = h0 + hh
-            add = (h > 0) & (h < n_heads)
-            g = tl.load(g_row + h.to(tl.int64) * stride_dkh, mask=m_r & add, other=0.0)
-            total = tl.where(add, total + g.to(tl.float32), total)
+    # dkv = [dk[..., :K], dv] for this program's heads: every load before any store.
+    n_copy = tl.maximum(k_dim, v_dim)
+    for c0 in range(0, n_copy, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)[None, None, :]
+        m_k = m_row & (c < k_dim)
+        m_v = m_row & (c < v_dim)
+        k_blk = tl.load(dk_ptr + dk_row + c, mask=m_k)
+        v_blk = tl.load(dv_ptr + dv_row + c, mask=m_v)
+        tl.store(dkv_ptr + dkv_row + c, k_blk, mask=m_k)
+        tl.store(dkv_ptr + dkv_row + k_dim + c, v_blk, mask=m_v)
 
-    pos, is_padding = token_positions(
-        o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
-        cp_rank, cp_size, POS_MODE,
-    )  # fmt: skip
-    in_range = (pos >= 0) & (pos < n_rows)
-    j = tl.arange(0, HALF)
-    c_a, c_b, s_a, s_b = load_table_halves(
-        cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
-    )
-    if INTERLEAVED_OUT:
-        g_a, g_b = tl.split(tl.reshape(total, (BLOCK_T, HALF, 2)))
-    else:
-        g_a, g_b = tl.split(tl.permute(tl.reshape(total, (BLOCK_T, 2, HALF)), (0, 2, 1)))
-    d_a, d_b = rotate(
-        g_a, g_b, c_a, c_b, s_a, s_b, is_padding[:, None], (~in_range & ~is_padding)[:, None],
-        False, True,
-    )  # fmt: skip
-    d_a = d_a.to(dpe_ptr.dtype.element_ty)
-    d_b = d_b.to(dpe_ptr.dtype.element_ty)
-    pe_row = o_t[:, None] * (2 * HALF)
-    if INTERLEAVED_IN:
-        tl.store(dpe_ptr + pe_row + r, tl.reshape(tl.join(d_a, d_b), (BLOCK_T, 2 * HALF)), mask=m_r)
-    else:
-        m_pe = m_t[:, None] & (j[None, :] < HALF)
-        tl.store(dpe_ptr + pe_row + j[None, :], d_a, mask=m_pe)
-        tl.store(dpe_ptr + pe_row + HALF + j[None, :], d_b, mask=m_pe)
+    # dk_pe: the programs of the first head block also own their tokens' sum over all heads,
+    # so it never leaves one program: no atomics, bitwise deterministic.
+    if i_h == 0:
+        total = _sum_heads(
+            dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T, HEADS_P2, 2 * HALF
+        )
+        pos, is_padding = token_positions(
+            o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
+            cp_rank, cp_size, POS_MODE,
+        )  # fmt: skip
+        in_range = (pos >= 0) & (pos < n_rows)
+        j = tl.arange(0, HALF)
+        c_a, c_b, s_a, s_b = load_table_halves(
+            cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
+        )
+        if INTERLEAVED_OUT:
+            g_a, g_b = tl.split(tl.reshape(total, (BLOCK_T, HALF, 2)))
+        else:
+            g_a, g_b = tl.split(tl.permute(tl.reshape(total, (BLOCK_T, 2, HALF)), (0, 2, 1)))
+        d_a, d_b = rotate(
+            g_a, g_b, c_a, c_b, s_a, s_b, is_padding[:, None],
+            (~in_range & ~is_padding)[:, None], False, True,
+        )  # fmt: skip
+        d_a = d_a.to(dpe_ptr.dtype.element_ty)
+        d_b = d_b.to(dpe_ptr.dtype.element_ty)
+        r = tl.arange(0, 2 * HALF)[None, :]
+        pe_row = o_t[:, None] * (2 * HALF)
+        if INTERLEAVED_IN:
+            pairs = tl.reshape(tl.join(d_a, d_b), (BLOCK_T, 2 * HALF))
+            tl.store(dpe_ptr + pe_row + r, pairs, mask=m_t[:, None] & (r < 2 * HALF))
+        else:
+            m_pe = m_t[:, None] & (j[None, :] < HALF)
+            tl.store(dpe_ptr + pe_row + j[None, :], d_a, mask=m_pe)
+            tl.store(dpe_ptr + pe_row + HALF + j[None, :], d_b, mask=m_pe)
 
 
 @dataclass(frozen=True)
@@ -218,15 +276,15 @@ def choose_kv_config(n_tokens: int, n_heads: int, channels: int) -> KVLaunchConf
 
 
 @functools.lru_cache(maxsize=1024)
-def choose_kv_backward_config(n_tokens: int, n_heads: int, channels: int) -> KVLaunchConfig:
-    """The backward walks all heads of its tokens in blocks of ``block_h``; the per-head sum
-    loads are unrolled over the block, so ``block_h`` stays at 16 or less."""
-    block_c = min(next_power_of_2(channels), 128)
-    block_h = min(next_power_of_2(n_heads), 16)
-    block_t = min(next_power_of_2(n_tokens), max(1, 2048 // (block_h * block_c)))
-    tile = block_t * block_h * block_c
-    num_warps = 4 if tile >= 1024 else 2 if tile >= 256 else 1
-    return KVLaunchConfig(block_t, block_h, block_c, num_warps)
+def choose_kv_backward_config(
+    n_tokens: int, n_heads: int, channels: int, rope_dim: int
+) -> KVLaunchConfig:
+    """The copies tile like the forward. The first head block's programs also sum their
+    tokens' rope gradients over all heads, 16 heads x ``rope_dim`` channels per token at a time,
+    so ``block_t`` is capped to keep that chunk near 8192 elements (no register spills)."""
+    config = choose_kv_config(n_tokens, n_heads, channels)
+    block_t = min(config.block_t, max(1, _TILE_ELEMENTS // (16 * rope_dim)))
+    return KVLaunchConfig(block_t, config.block_h, config.block_c, config.num_warps)
 
 
 def rope_kv_launch(
@@ -300,8 +358,8 @@ def rope_kv_backward_launch(
     if n_heads == 0:
         dk_pe.zero_()
         return
-    config = config or choose_kv_backward_config(n_tokens, n_heads, max(k_dim, v_dim))
-    grid = (cdiv(n_tokens, config.block_t),)
+    config = config or choose_kv_backward_config(n_tokens, n_heads, max(k_dim, v_dim), rope_dim)
+    grid = (cdiv(n_tokens, config.block_t), cdiv(n_heads, config.block_h))
     _rope_kv_bwd_kernel[grid](
         dk, dv, dkv, dk_pe, cos, sin,
         n_tokens=n_tokens, D1=d1, n_heads=n_heads, k_dim=k_dim, v_dim=v_dim, n_rows=cos.shape[0],
@@ -310,6 +368,7 @@ def rope_kv_backward_launch(
         stride_dkv0=stride_dkv0, stride_dkv1=stride_dkv1, stride_dkvh=stride_dkvh,
         stride_table=cos.stride(0), cp_rank=positions.cp_rank, cp_size=positions.cp_size,
         HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
-        BLOCK_C=config.block_c, INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
+        BLOCK_C=config.block_c, HEADS_P2=max(16, next_power_of_2(n_heads)),
+        INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
         num_warps=config.num_warps, **position_args(positions, dk, (d0, d1)),
     )  # fmt: skip

@@ -1,0 +1,163 @@
+"""``python -m mlarope.sweep``: launch-configuration sweep of the kernels on the GPU.
+
+The benchmark (``python -m mlarope bench``) times what users get: the public API with the
+heuristic launch configurations. This times the launchers directly, at DeepSeek-V3 shapes
+(H = 128, N = K = V = 128, R = 64, bf16, fp32 tables), for the heuristic's configuration and a
+list of alternatives, beside two ceilings measured in the same process: a contiguous
+device-to-device copy, and a strided copy of exactly the elements the in-place query op moves
+(``q[..., N:]``: 128 of every 384 bytes), which is the best any kernel with that access
+pattern can do. It is how the heuristics in ``kernels/q.py`` and ``kernels/kv.py`` were chosen
+(docs/perf_log.md).
+
+Timing: ``triton.testing.do_bench`` (L2 flushed before each call, median of the repetitions).
+Output: a table on stdout and ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ._checks import Positions
+from .kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
+from .kernels.q import QLaunchConfig, rope_q_launch
+from .yarn import YarnConfig
+
+HEADS, NOPE, ROPE, K_DIM, V_DIM, TOKENS = 128, 128, 64, 128, 128, 16384
+
+# (block_t, block_h, block_n or block_c, num_warps); None is the heuristic's choice.
+Q_INPLACE_CONFIGS = [
+    None, (1, 128, 64, 4), (1, 128, 64, 16), (1, 64, 64, 4), (1, 64, 64, 2), (1, 32, 64, 2),
+    (1, 32, 64, 1), (2, 128, 64, 8), (2, 128, 64, 16), (2, 64, 64, 4), (4, 32, 64, 8),
+]  # fmt: skip
+Q_CONFIGS = [None, (1, 64, 128, 4), (1, 128, 128, 8), (1, 64, 64, 4), (2, 64, 64, 8)]
+KV_CONFIGS = [
+    None, (1, 32, 128, 4), (1, 16, 128, 2), (1, 64, 128, 4), (1, 128, 128, 8),
+    (1, 128, 128, 16), (2, 64, 128, 8), (1, 32, 128, 2),
+]  # fmt: skip
+OPS = {
+    "q_inplace": Q_INPLACE_CONFIGS,
+    "q": Q_CONFIGS,
+    "kv": KV_CONFIGS,
+    "kv_no_v": KV_CONFIGS,
+    "kv_bwd": KV_CONFIGS,
+}
+CASES = {"sbhd": 0, "thd4": 4, "thd4096": 4096}
+
+
+def _bytes(op: str) -> int:
+    per_head = {
+        "q_inplace": 2 * ROPE * 2,
+        "q": 2 * (NOPE + ROPE) * 2,
+        "kv": (K_DIM + V_DIM) * 2 + (K_DIM + ROPE + V_DIM) * 2,
+        "kv_no_v": K_DIM * 2 + (K_DIM + ROPE) * 2,
+        "kv_bwd": (K_DIM + ROPE + V_DIM) * 2 + (K_DIM + V_DIM) * 2,
+    }[op]
+    return TOKENS * (HEADS * per_head + ROPE * 2)
+
+
+def _positions(case: str, device) -> tuple[Positions, tuple[int, ...]]:
+    n_seqs = CASES[case]
+    if n_seqs == 0:
+        return Positions("sbhd", None, None, 0, 1), (4096, 4)
+    cu = torch.arange(0, TOKENS + 1, TOKENS // n_seqs, dtype=torch.int32, device=device)
+    return Positions("thd", cu, None, 0, 1), (TOKENS,)
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3  # us
+
+
+def _call(op: str, case: str, config, device):
+    positions, tokens = _positions(case, device)
+    cos, sin = YarnConfig.deepseek_v3().cos_sin(32768, device=device)
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    if op in ("q_inplace", "q"):
+        q = torch.randn(*tokens, HEADS, NOPE + ROPE, **bf16)
+        out = q if op == "q_inplace" else torch.empty_like(q)
+        cfg = QLaunchConfig(*config) if config else None
+        return lambda: rope_q_launch(
+            q, out, cos, sin, positions, interleaved_in=True, interleaved_out=False,
+            inverse=False, transpose=False, config=cfg,
+        )  # fmt: skip
+    cfg = KVLaunchConfig(*config) if config else None
+    if op == "kv_bwd":
+        dk = torch.randn(*tokens, HEADS, K_DIM + ROPE, **bf16)
+        dv = torch.randn(*tokens, HEADS, V_DIM, **bf16)
+        dkv = torch.empty(*tokens, HEADS, K_DIM + V_DIM, **bf16)
+        dk_pe = torch.empty(*tokens, ROPE, **bf16)
+        return lambda: rope_kv_backward_launch(
+            dk, dv, dkv, dk_pe, cos, sin, positions, k_dim=K_DIM, interleaved_in=True,
+            interleaved_out=False, config=cfg,
+        )  # fmt: skip
+    kv = torch.randn(*tokens, HEADS, K_DIM + V_DIM, **bf16)
+    k_pe = torch.randn(*tokens, ROPE, **bf16)
+    k = torch.empty(*tokens, HEADS, K_DIM + ROPE, **bf16)
+    v = torch.empty(*tokens, HEADS, V_DIM, **bf16) if op == "kv" else None
+    return lambda: rope_kv_launch(
+        kv, k_pe, k, v, cos, sin, positions, k_dim=K_DIM, interleaved_in=True,
+        interleaved_out=False, config=cfg,
+    )  # fmt: skip
+
+
+def _copy_tbps(numel: int, device) -> float:
+    src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    return 2 * numel * 2 / (_bench(lambda: dst.copy_(src)) * 1e-6) / 1e12
+
+
+def ceilings(device) -> dict[str, float]:
+    """TB/s of a contiguous 1 GiB copy and of the in-place query op's strided pattern."""
+    contiguous = _copy_tbps(1 << 29, device)
+    q = torch.randn(TOKENS, HEADS, NOPE + ROPE, dtype=torch.bfloat16, device=device)
+    q2 = torch.empty_like(q)
+    strided_us = _bench(lambda: q2[..., NOPE:].copy_(q[..., NOPE:]))
+    strided = TOKENS * HEADS * ROPE * 2 * 2 / (strided_us * 1e-6) / 1e12
+    return {"copy_tbps": contiguous, "strided_rope_copy_tbps": strided}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlarope.sweep", description=__doc__)
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma list of {list(OPS)}")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
+    parser.add_argument(
+        "--heuristic-only", action="store_true", help="time the heuristic's configuration only"
+    )
+    parser.add_argument("--label", default="", help="a name for this run in the JSON")
+    parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("mlarope.sweep needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    ceiling = ceilings(device)
+    print(f"{args.label} ceilings: " + ", ".join(f"{k} {v:.3f}" for k, v in ceiling.items()))
+    rows = []
+    for op in args.ops.split(","):
+        for case in args.cases.split(","):
+            for config in OPS[op][:1] if args.heuristic_only else OPS[op]:
+                try:
+                    us = _bench(_call(op, case, config, device))
+                except Exception as error:  # a config the kernel cannot compile: say so
+                    print(f"{op} {case} {config}: {type(error).__name__}: {error}"[:300])
+                    continue
+                tbps = _bytes(op) / (us * 1e-6) / 1e12
+                pct = round(100 * tbps / ceiling["copy_tbps"], 1)
+                label = str(config or "heuristic")
+                rows.append(dict(op=op, case=case, config=label, us=round(us, 1),
+                                 tbps=round(tbps, 3), pct_copy=pct))  # fmt: skip
+                print(f"{args.label} {op:9s} {case:8s} {label:22s} {us:8.1f} us "
+                      f"{tbps:6.3f} TB/s {pct:5.1f} %", flush=True)  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"label": args.label, "ceilings": ceiling, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
