@@ -1,19 +1,26 @@
-"""In-kernel position lookup and table rows, shared by the query and key/value kernels.
+"""Position lookup and table rows, shared by the query and key/value kernels.
 
 Computes, for a block of token indices, the same ``(pos, is_padding)`` as
 :func:`mlarope.positions.token_positions`, in O(1) per token (sequence index, explicit ids) or
 O(log n) (a 16-ary search in ``cu_seqlens``), never a scan over all sequences.
+
+With ``cu_seqlens`` the search runs once per call in a small kernel of its own
+(``_cu_seqlens_positions_kernel``, T int64 positions, -1 for padding), and the rotation kernels
+then read one position per token. Searching inside the rotation kernels put three dependent
+L2 round trips in front of every tile's loads and cost 20-35 % of the in-place query op's
+bandwidth (docs/perf_log.md, v6); the extra launch costs a few microseconds of GPU time.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 # Position sources (constexpr POS_MODE).
 SEQ_DIM0 = 0  # sbhd, or thd without cu_seqlens: position = index along token dim 0
 SEQ_DIM1 = 1  # bshd: position = index along token dim 1
-CU_SEQLENS = 2  # thd with cu_seqlens: a 16-ary search
+CU_SEQLENS = 2  # thd with cu_seqlens: positions precomputed by _cu_seqlens_positions_kernel
 POSITION_IDS = 3  # explicit ids, read with their strides
 
 # Kernel integers that change from call to call but feed only masks and index arithmetic. They
@@ -46,17 +53,15 @@ def token_positions(
     i0,  # [BLOCK_T] int64 index along token dim 0
     i1,  # [BLOCK_T] int64 index along token dim 1 (0 for thd)
     t_mask,
-    cu_ptr,  # cu_seqlens [n + 1] (CU_SEQLENS only)
-    ids_ptr,  # position_ids (POSITION_IDS only)
+    cu_ptr,  # unused (kept for the kernels' argument lists)
+    ids_ptr,  # position_ids (POSITION_IDS), or the precomputed [T] positions (CU_SEQLENS)
     stride_id0,
     stride_id1,
-    n_seqs,  # n (CU_SEQLENS), or the local sequence length (SEQ_DIM0 / SEQ_DIM1)
-    search_steps,  # ceil(log_FANOUT(n)) (CU_SEQLENS)
+    n_seqs,  # the local sequence length (SEQ_DIM0 / SEQ_DIM1)
+    search_steps,  # unused
     cp_rank,
     cp_size,
     POS_MODE: tl.constexpr,
-    SEARCH_FANOUT: tl.constexpr = 16,
-    SEARCH_FANOUT_LOG2: tl.constexpr = 4,
 ):
     """Return ``(pos, is_padding)`` for a block of tokens; ``pos`` is int64, maybe out of range."""
     is_padding = t < 0  # all False, right shape
@@ -65,33 +70,62 @@ def token_positions(
     elif POS_MODE == 1:
         pos = _global_position(i1, n_seqs, cp_rank, cp_size)
     elif POS_MODE == 2:
-        # A SEARCH_FANOUT-ary search in cu_local = cu_seqlens // cp_size, keeping
-        # cu_local[lo] <= t < cu_local[hi]: each step loads FANOUT evenly spaced entries at once
-        # and narrows [lo, hi) to the gap holding t, so 4,096 sequences take 3 dependent loads
-        # (a binary search would take 12).
-        # cu_local[i] <= t  <=>  cu_seqlens[i] <= (t + 1) * cp_size - 1: no division in the loop
-        # (64-bit integer division is emulated on GPUs and was the loop's main cost).
-        total = tl.load(cu_ptr + n_seqs).to(tl.int64) // cp_size
-        is_padding = t >= total
-        t_scaled = (t + 1) * cp_size - 1
-        lo = tl.zeros_like(t)
-        hi = tl.zeros_like(t) + n_seqs
-        k = tl.arange(0, SEARCH_FANOUT).to(tl.int64)[None, :]
-        for _ in range(search_steps):
-            stride = (hi - lo + (SEARCH_FANOUT - 1)) >> SEARCH_FANOUT_LOG2
-            index = lo[:, None] + k * stride[:, None]
-            sampled = (index < hi[:, None]) & t_mask[:, None]
-            start = tl.load(cu_ptr + index, mask=sampled, other=0).to(tl.int64)
-            below = tl.sum((sampled & (start <= t_scaled[:, None])).to(tl.int32), axis=1)
-            lo = lo + (tl.maximum(below, 1) - 1).to(tl.int64) * stride
-            hi = tl.minimum(lo + stride, hi)
-        start = tl.load(cu_ptr + lo, mask=t_mask, other=0).to(tl.int64) // cp_size
-        end = tl.load(cu_ptr + lo + 1, mask=t_mask & (n_seqs > 0), other=0).to(tl.int64)
-        pos = _global_position(t - start, end // cp_size - start, cp_rank, cp_size)
+        pos = tl.load(ids_ptr + t, mask=t_mask, other=0)
+        is_padding = pos < 0
     else:
         pos = tl.load(ids_ptr + i0 * stride_id0 + i1 * stride_id1, mask=t_mask, other=0)
         pos = pos.to(tl.int64)
     return pos, is_padding
+
+
+@triton.jit
+def search_cu_seqlens(
+    t,  # [BLOCK_T] int64 flat token indices
+    t_mask,
+    cu_ptr,  # cu_seqlens [n + 1] (global lengths under context parallelism)
+    n_seqs,
+    search_steps,  # ceil(log_FANOUT(n))
+    cp_rank,
+    cp_size,
+    SEARCH_FANOUT: tl.constexpr = 16,
+    SEARCH_FANOUT_LOG2: tl.constexpr = 4,
+):
+    """``(pos, is_padding)`` of thd tokens from ``cu_seqlens``: O(log n) per token."""
+    # A SEARCH_FANOUT-ary search in cu_local = cu_seqlens // cp_size, keeping
+    # cu_local[lo] <= t < cu_local[hi]: each step loads FANOUT evenly spaced entries at once
+    # and narrows [lo, hi) to the gap holding t, so 4,096 sequences take 3 dependent loads
+    # (a binary search would take 12).
+    # cu_local[i] <= t  <=>  cu_seqlens[i] <= (t + 1) * cp_size - 1: no division in the loop
+    # (64-bit integer division is emulated on GPUs and was the loop's main cost).
+    total = tl.load(cu_ptr + n_seqs).to(tl.int64) // cp_size
+    is_padding = t >= total
+    t_scaled = (t + 1) * cp_size - 1
+    lo = tl.zeros_like(t)
+    hi = tl.zeros_like(t) + n_seqs
+    k = tl.arange(0, SEARCH_FANOUT).to(tl.int64)[None, :]
+    for _ in range(search_steps):
+        stride = (hi - lo + (SEARCH_FANOUT - 1)) >> SEARCH_FANOUT_LOG2
+        index = lo[:, None] + k * stride[:, None]
+        sampled = (index < hi[:, None]) & t_mask[:, None]
+        start = tl.load(cu_ptr + index, mask=sampled, other=0).to(tl.int64)
+        below = tl.sum((sampled & (start <= t_scaled[:, None])).to(tl.int32), axis=1)
+        lo = lo + (tl.maximum(below, 1) - 1).to(tl.int64) * stride
+        hi = tl.minimum(lo + stride, hi)
+    start = tl.load(cu_ptr + lo, mask=t_mask, other=0).to(tl.int64) // cp_size
+    end = tl.load(cu_ptr + lo + 1, mask=t_mask & (n_seqs > 0), other=0).to(tl.int64)
+    pos = _global_position(t - start, end // cp_size - start, cp_rank, cp_size)
+    return pos, is_padding
+
+
+@triton.jit(do_not_specialize=["n_tokens", "n_seqs", "search_steps", "cp_rank", "cp_size"])
+def _cu_seqlens_positions_kernel(
+    cu_ptr, out_ptr, n_tokens, n_seqs, search_steps, cp_rank, cp_size, BLOCK: tl.constexpr
+):
+    """``out[t]``: token ``t``'s position, or -1 for a padding token (``[T]`` int64)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m = t < n_tokens
+    pos, is_padding = search_cu_seqlens(t, m, cu_ptr, n_seqs, search_steps, cp_rank, cp_size)
+    tl.store(out_ptr + t, tl.where(is_padding, -1, pos), mask=m)
 
 
 @triton.jit
@@ -153,3 +187,40 @@ def search_steps(n_seqs: int, fanout: int = 16) -> int:
 
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+_SEARCH_BLOCK = 256  # tokens per program of the position kernel ([256, 16] int64 per step)
+
+
+def position_args(positions, x: torch.Tensor, token_shape: tuple[int, ...]) -> dict:
+    """Kernel arguments describing where positions come from (see ``token_positions``).
+
+    With ``cu_seqlens`` this launches ``_cu_seqlens_positions_kernel`` first (on ``x``'s device
+    and stream; no host sync) and hands the kernels its ``[T]`` output.
+    """
+    if positions.position_ids is not None:
+        ids = positions.position_ids
+        strides = ids.stride() if ids.dim() == 2 else (ids.stride(0), 0)
+        return dict(
+            cu_ptr=ids, ids_ptr=ids, stride_id0=strides[0], stride_id1=strides[1],
+            n_seqs=0, steps=0, POS_MODE=POSITION_IDS,
+        )  # fmt: skip
+    if positions.cu_seqlens is not None:
+        cu = positions.cu_seqlens
+        n_seqs = cu.shape[0] - 1
+        n_tokens = token_shape[0] * token_shape[1]
+        found = torch.empty(n_tokens, dtype=torch.int64, device=x.device)
+        _cu_seqlens_positions_kernel[(-(-n_tokens // _SEARCH_BLOCK),)](
+            cu, found, n_tokens, n_seqs, search_steps(n_seqs), positions.cp_rank,
+            positions.cp_size, BLOCK=_SEARCH_BLOCK, num_warps=4,
+        )  # fmt: skip
+        return dict(
+            cu_ptr=cu, ids_ptr=found, stride_id0=0, stride_id1=0, n_seqs=n_seqs, steps=0,
+            POS_MODE=CU_SEQLENS,
+        )  # fmt: skip
+    bshd = positions.layout == "bshd"
+    return dict(
+        cu_ptr=x, ids_ptr=x, stride_id0=0, stride_id1=0,
+        n_seqs=token_shape[1] if bshd else token_shape[0], steps=0,
+        POS_MODE=SEQ_DIM1 if bshd else SEQ_DIM0,
+    )  # fmt: skip

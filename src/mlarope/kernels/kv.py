@@ -21,8 +21,24 @@ import triton
 import triton.language as tl
 
 from .._checks import Positions
-from ._lookup import VARYING_INTS, load_table_halves, next_power_of_2, rotate, token_positions
-from .q import cdiv, geometry, position_args
+from ._lookup import (
+    VARYING_INTS,
+    load_table_halves,
+    next_power_of_2,
+    position_args,
+    rotate,
+    token_positions,
+)
+from .q import cdiv, geometry
+
+
+@triton.jit
+def _copy_channels(src_ptr, dst_ptr, src_row, dst_row, m_row, n_channels, BLOCK_C: tl.constexpr):
+    """Copy ``n_channels`` channels of a ``[BLOCK_T, BLOCK_H]`` block of rows."""
+    for c0 in range(0, n_channels, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)[None, None, :]
+        m = m_row & (c < n_channels)
+        tl.store(dst_ptr + dst_row + c, tl.load(src_ptr + src_row + c, mask=m), mask=m)
 
 
 @triton.jit(do_not_specialize=VARYING_INTS)
@@ -55,21 +71,6 @@ def _rope_kv_fwd_kernel(
     m_h = o_h < n_heads
     i0 = o_t // D1
     i1 = o_t % D1
-    kv_row = (i0 * stride_kv0 + i1 * stride_kv1)[:, None, None] + (o_h * stride_kvh)[None, :, None]
-    k_row = (i0 * stride_k0 + i1 * stride_k1)[:, None, None] + (o_h * stride_kh)[None, :, None]
-    v_row = (i0 * stride_v0 + i1 * stride_v1)[:, None, None] + (o_h * stride_vh)[None, :, None]
-    m_row = m_t[:, None, None] & m_h[None, :, None]
-
-    # The first channel block of K and of V is loaded before anything else: those loads do not
-    # depend on the position lookup, so they are in flight while it runs, and the program
-    # needs one memory round trip instead of three (K = V = 128 is one block).
-    c = tl.arange(0, BLOCK_C)[None, None, :]
-    m_k = m_row & (c < k_dim)
-    k_first = tl.load(kv_ptr + kv_row + c, mask=m_k)
-    if COPY_V:
-        m_v = m_row & (c < v_dim)
-        v_first = tl.load(kv_ptr + kv_row + k_dim + c, mask=m_v)
-
     pos, is_padding = token_positions(
         o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
         cp_rank, cp_size, POS_MODE,
@@ -96,9 +97,9 @@ def _rope_kv_fwd_kernel(
     out_a = out_a.to(k_ptr.dtype.element_ty)
     out_b = out_b.to(k_ptr.dtype.element_ty)
 
-    tl.store(k_ptr + k_row + c, k_first, mask=m_k)
-    if COPY_V:
-        tl.store(v_ptr + v_row + c, v_first, mask=m_v)
+    kv_row = (i0 * stride_kv0 + i1 * stride_kv1)[:, None, None] + (o_h * stride_kvh)[None, :, None]
+    k_row = (i0 * stride_k0 + i1 * stride_k1)[:, None, None] + (o_h * stride_kh)[None, :, None]
+    m_row = m_t[:, None, None] & m_h[None, :, None]
     if INTERLEAVED_OUT:
         k2 = tl.arange(0, 2 * HALF)[None, None, :]
         pairs = tl.reshape(tl.join(out_a, out_b), (BLOCK_T, 1, 2 * HALF))
@@ -112,19 +113,10 @@ def _rope_kv_fwd_kernel(
         tl.store(k_ptr + k_row + k_dim + jj, k_a, mask=m_pair)
         tl.store(k_ptr + k_row + k_dim + HALF + jj, k_b, mask=m_pair)
 
-    # Wider K or V (more than one channel block): the rest, K and V blocks loaded together.
-    n_copy = k_dim
+    _copy_channels(kv_ptr, k_ptr, kv_row, k_row, m_row, k_dim, BLOCK_C)
     if COPY_V:
-        n_copy = tl.maximum(k_dim, v_dim)
-    for c0 in range(BLOCK_C, n_copy, BLOCK_C):
-        cc = c0 + c
-        m_kc = m_row & (cc < k_dim)
-        k_blk = tl.load(kv_ptr + kv_row + cc, mask=m_kc)
-        if COPY_V:
-            m_vc = m_row & (cc < v_dim)
-            v_blk = tl.load(kv_ptr + kv_row + k_dim + cc, mask=m_vc)
-            tl.store(v_ptr + v_row + cc, v_blk, mask=m_vc)
-        tl.store(k_ptr + k_row + cc, k_blk, mask=m_kc)
+        v_row = (i0 * stride_v0 + i1 * stride_v1)[:, None, None] + (o_h * stride_vh)[None, :, None]
+        _copy_channels(kv_ptr + k_dim, v_ptr, kv_row, v_row, m_row, v_dim, BLOCK_C)
 
 
 @triton.jit

@@ -16,15 +16,11 @@ import triton.language as tl
 
 from .._checks import Positions
 from ._lookup import (
-    CU_SEQLENS,
-    POSITION_IDS,
-    SEQ_DIM0,
-    SEQ_DIM1,
     VARYING_INTS,
     load_table_halves,
     next_power_of_2,
+    position_args,
     rotate,
-    search_steps,
     token_positions,
 )
 
@@ -35,8 +31,8 @@ def _rope_q_kernel(
     out_ptr,  # output, same shape; the same memory as x_ptr when IN_PLACE
     cos_ptr,  # [P, R]
     sin_ptr,  # [P, R]
-    cu_ptr,  # cu_seqlens [n + 1] (POS_MODE == CU_SEQLENS)
-    ids_ptr,  # position_ids [D0, D1] with strides (POS_MODE == POSITION_IDS)
+    cu_ptr,  # cu_seqlens [n + 1] (unused: see _lookup.position_args)
+    ids_ptr,  # position_ids [D0, D1] with strides, or [T] precomputed positions (thd cu_seqlens)
     n_tokens,
     D1,
     n_heads,
@@ -83,14 +79,7 @@ def _rope_q_kernel(
         o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
         cp_rank, cp_size, POS_MODE,
     )  # fmt: skip
-    in_range = (pos >= 0) & (pos < n_rows)
-    c_a, c_b, s_a, s_b = load_table_halves(
-        cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
-    )
-
-    # The position lookup and table rows come first, then the tile's loads. (Issuing the tile's
-    # loads before the lookup measured slower on the H200, 82% -> 61% of copy for thd with 4
-    # sequences: docs/perf_log.md.)
+    # The tile's loads go out before the table rows, whose addresses wait for the position.
     x_rope = x_ptr + x_row + n_nope
     if INTERLEAVED_IN:
         k = tl.arange(0, 2 * HALF)[None, None, :]
@@ -99,6 +88,10 @@ def _rope_q_kernel(
     else:
         a = tl.load(x_rope + jj, mask=m_pair, other=0.0).to(tl.float32)
         b = tl.load(x_rope + HALF + jj, mask=m_pair, other=0.0).to(tl.float32)
+    in_range = (pos >= 0) & (pos < n_rows)
+    c_a, c_b, s_a, s_b = load_table_halves(
+        cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
+    )
 
     out_a, out_b = rotate(
         a, b, c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :],
@@ -160,29 +153,6 @@ def choose_q_config(n_tokens: int, n_heads: int, n_nope: int, rope_dim: int) -> 
     tile = block_t * block_h * rope_dim
     num_warps = 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
     return QLaunchConfig(block_t, block_h, block_n, num_warps)
-
-
-def position_args(positions: Positions, x: torch.Tensor, token_shape: tuple[int, ...]) -> dict:
-    """Kernel arguments describing where positions come from (see ``_lookup.token_positions``)."""
-    if positions.position_ids is not None:
-        ids = positions.position_ids
-        strides = ids.stride() if ids.dim() == 2 else (ids.stride(0), 0)
-        return dict(
-            cu_ptr=ids, ids_ptr=ids, stride_id0=strides[0], stride_id1=strides[1],
-            n_seqs=0, steps=0, POS_MODE=POSITION_IDS,
-        )  # fmt: skip
-    if positions.cu_seqlens is not None:
-        n_seqs = positions.cu_seqlens.shape[0] - 1
-        return dict(
-            cu_ptr=positions.cu_seqlens, ids_ptr=positions.cu_seqlens, stride_id0=0,
-            stride_id1=0, n_seqs=n_seqs, steps=search_steps(n_seqs), POS_MODE=CU_SEQLENS,
-        )  # fmt: skip
-    bshd = positions.layout == "bshd"
-    return dict(
-        cu_ptr=x, ids_ptr=x, stride_id0=0, stride_id1=0,
-        n_seqs=token_shape[1] if bshd else token_shape[0], steps=0,
-        POS_MODE=SEQ_DIM1 if bshd else SEQ_DIM0,
-    )  # fmt: skip
 
 
 def geometry(t: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
