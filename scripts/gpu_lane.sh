@@ -34,9 +34,9 @@ for step in "${steps[@]}"; do
         python3 -m mlarope info; } 2>&1 | tee "$OUT/info.txt" ;;
     tests)
       timeout "${TESTS_SECONDS:-200}" python3 -m pytest -q -n 16 tests --device cuda \
-        -k "not gloo" -p no:cacheprovider -rfE -W ignore::pytest.PytestWarning \
+        -k "not gloo" -p no:cacheprovider -rfE -v --durations=15 \
         >"$OUT/pytest.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -30 ;;
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -30 ;;
     stress)
       python3 -m mlarope stress --trials "${STRESS_TRIALS:-20000}" \
         --control-trials "${CONTROL_TRIALS:-500}" --workers 14 --json "$OUT/stress.json" \

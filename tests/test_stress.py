@@ -50,6 +50,6 @@ def test_racy_control_is_caught_on_gpu(tmp_path, device):
     what shows that the harness can see races (ours never fails in the same harness)."""
     import torch
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
     failed = sum(stress.run_control_trial("cuda", gen, 2, 8, skew_steps=256) > 0 for _ in range(50))
     assert failed > 0, "the racy control never failed: the harness would not see a race"

@@ -237,12 +237,12 @@ def run_control_trial(device, gen, block_h: int, num_warps: int, skew_steps: int
     from .kernels.racy_control import racy_rope_inplace
 
     n_seqs, heads, rope = (64, 32, 64) if device == "cuda" else (4, 4, 32)
-    lens = torch.randint(1, 12, (n_seqs,), generator=gen)
-    cu = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0))).to(torch.int32)
+    lens = torch.randint(1, 12, (n_seqs,), generator=gen, device=device)
+    cu = torch.cat((lens.new_zeros(1), lens.cumsum(0))).to(torch.int32)
     n_tokens = int(cu[-1])
-    positions = Positions("thd", cu.to(device), None, 0, 1)
+    positions = Positions("thd", cu, None, 0, 1)
     cos, sin = _tables(64, rope, torch.float32, device, gen)
-    x = torch.randn(n_tokens, heads, rope, generator=gen).to(torch.bfloat16).to(device)
+    x = _randn((n_tokens, heads, rope), torch.bfloat16, device, gen)
     out = x.clone()
     racy_rope_inplace(
         out, cos, sin, positions.cu_seqlens, block_h=block_h, num_warps=num_warps,
@@ -377,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
         control_task = progress.add_task("racy control", total=args.control_trials)
         control_failed = 0
         control_by_config: dict[str, list[int]] = {}
-        gen = torch.Generator().manual_seed(args.seed)
+        gen = torch.Generator(device=device).manual_seed(args.seed)
         # The faithful control (no barrier, the incumbent's lookup) and, on the GPU, the same
         # kernel with warp 0 delayed (racy_control's skew injector) to make the race show.
         configs = [(1, 4, 0), (2, 4, 0), (2, 8, 0), (4, 8, 0)]

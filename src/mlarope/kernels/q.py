@@ -25,6 +25,22 @@ from ._lookup import (
 )
 
 
+@triton.jit
+def _load_pairs(x_rope, m_row, jj, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                HALF: tl.constexpr, INTERLEAVED_IN: tl.constexpr):  # fmt: skip
+    """The tile's rope pairs ``(a, b)``, fp32 ``[BLOCK_T, BLOCK_H, HALF]`` each. Interleaved
+    pairs are loaded as one contiguous row (16-byte vectors) and split in registers."""
+    if INTERLEAVED_IN:
+        k = tl.arange(0, 2 * HALF)[None, None, :]
+        x = tl.load(x_rope + k, mask=m_row & (k < 2 * HALF), other=0.0).to(tl.float32)
+        a, b = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, HALF, 2)))
+    else:
+        m_pair = m_row & (jj < HALF)
+        a = tl.load(x_rope + jj, mask=m_pair, other=0.0).to(tl.float32)
+        b = tl.load(x_rope + HALF + jj, mask=m_pair, other=0.0).to(tl.float32)
+    return a, b
+
+
 @triton.jit(do_not_specialize=VARYING_INTS)
 def _rope_q_kernel(
     x_ptr,  # input [D0, D1, H, N + R] (thd: D1 = 1)
@@ -79,19 +95,18 @@ def _rope_q_kernel(
         o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
         cp_rank, cp_size, POS_MODE,
     )  # fmt: skip
-    # The tile's loads go out before the table rows, whose addresses wait for the position.
+    # Load order, measured on the H200 (docs/perf_log.md, v6): where positions are loaded
+    # (thd, position_ids) the tile's loads go out first, while the position is in flight;
+    # where they are computed from indices (sbhd, bshd) the table rows go first.
     x_rope = x_ptr + x_row + n_nope
-    if INTERLEAVED_IN:
-        k = tl.arange(0, 2 * HALF)[None, None, :]
-        x = tl.load(x_rope + k, mask=m_row & (k < 2 * HALF), other=0.0).to(tl.float32)
-        a, b = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, HALF, 2)))
-    else:
-        a = tl.load(x_rope + jj, mask=m_pair, other=0.0).to(tl.float32)
-        b = tl.load(x_rope + HALF + jj, mask=m_pair, other=0.0).to(tl.float32)
+    if POS_MODE >= 2:
+        a, b = _load_pairs(x_rope, m_row, jj, BLOCK_T, BLOCK_H, HALF, INTERLEAVED_IN)
     in_range = (pos >= 0) & (pos < n_rows)
     c_a, c_b, s_a, s_b = load_table_halves(
         cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
     )
+    if POS_MODE < 2:
+        a, b = _load_pairs(x_rope, m_row, jj, BLOCK_T, BLOCK_H, HALF, INTERLEAVED_IN)
 
     out_a, out_b = rotate(
         a, b, c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :],
@@ -140,18 +155,32 @@ _TILE_ELEMENTS = 8192
 
 
 @functools.lru_cache(maxsize=1024)
-def choose_q_config(n_tokens: int, n_heads: int, n_nope: int, rope_dim: int) -> QLaunchConfig:
+def choose_q_config(
+    n_tokens: int,
+    n_heads: int,
+    n_nope: int,
+    rope_dim: int,
+    inplace: bool = False,
+    loaded_positions: bool = False,
+) -> QLaunchConfig:
     """Heuristic launch configuration (no run-time autotuning; the reason is in the comments).
 
     All heads of a token in one program when they fit the tile (DeepSeek-V3: 128 heads x 64 =
     8192), so the position lookup and the table rows are shared by as many heads as possible;
-    then as many tokens as fill the tile, for small head counts (tensor parallel shards).
+    then as many tokens as fill the tile, for small head counts (tensor parallel shards). The
+    warp counts and, in place with loaded positions (thd, position_ids), the half-size tile
+    are what the launch-configuration sweep measured fastest at DeepSeek-V3 shapes on the H200
+    (``python -m mlarope.sweep``; docs/perf_log.md, v6): in place moves only the rope channels,
+    and 4 warps per 8192-element tile (2 per 4096) beat 8.
     """
-    block_h = min(next_power_of_2(n_heads), max(1, _TILE_ELEMENTS // rope_dim))
-    block_t = min(next_power_of_2(n_tokens), max(1, _TILE_ELEMENTS // (block_h * rope_dim)))
-    block_n = min(next_power_of_2(max(n_nope, 16)), max(16, _TILE_ELEMENTS // (block_t * block_h)))
+    tile_elements = _TILE_ELEMENTS // 2 if inplace and loaded_positions else _TILE_ELEMENTS
+    block_h = min(next_power_of_2(n_heads), max(1, tile_elements // rope_dim))
+    block_t = min(next_power_of_2(n_tokens), max(1, tile_elements // (block_h * rope_dim)))
+    block_n = min(next_power_of_2(max(n_nope, 16)), 128)
     tile = block_t * block_h * rope_dim
     num_warps = 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
+    if inplace:
+        num_warps = max(1, num_warps // 2)
     return QLaunchConfig(block_t, block_h, block_n, num_warps)
 
 
@@ -194,7 +223,11 @@ def rope_q_launch(
     n_tokens = d0 * d1
     if n_tokens == 0 or n_heads == 0:
         return
-    config = config or choose_q_config(n_tokens, n_heads, n_nope, rope_dim)
+    inplace = out is x or out.data_ptr() == x.data_ptr()
+    loaded_positions = positions.cu_seqlens is not None or positions.position_ids is not None
+    config = config or choose_q_config(
+        n_tokens, n_heads, n_nope, rope_dim, inplace, loaded_positions
+    )
     grid = (cdiv(n_tokens, config.block_t), cdiv(n_heads, config.block_h))
     _rope_q_kernel[grid](
         x, out, cos, sin,
@@ -206,7 +239,7 @@ def rope_q_launch(
         HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
         BLOCK_N=config.block_n, INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
         INVERSE=inverse, TRANSPOSE=transpose,
-        IN_PLACE=out is x or out.data_ptr() == x.data_ptr(),
+        IN_PLACE=inplace,
         num_warps=config.num_warps,
         **position_args(positions, x, (d0, d1)),
     )  # fmt: skip
