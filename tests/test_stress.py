@@ -51,5 +51,7 @@ def test_racy_control_is_caught_on_gpu(tmp_path, device):
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    failed = sum(stress.run_control_trial("cuda", gen, 2, 8, skew_steps=256) > 0 for _ in range(50))
+    failed = sum(
+        stress.run_control_trial("cuda", gen, 1, 4, skew_steps=256, rope=128) > 0 for _ in range(50)
+    )
     assert failed > 0, "the racy control never failed: the harness would not see a race"

@@ -232,11 +232,19 @@ def run_kv_trial(trial: Trial, device, gen) -> int:
     return wrong
 
 
-def run_control_trial(device, gen, block_h: int, num_warps: int, skew_steps: int = 0) -> int:
-    """The racy in-place kernel on a packed thd batch (bf16, DeepSeek-like heads), in place."""
+def run_control_trial(
+    device, gen, block_h: int, num_warps: int, skew_steps: int = 0, rope: int = 64
+) -> int:
+    """The racy in-place kernel on a packed thd batch (bf16), in place.
+
+    Which threads own which channels is Triton's layout choice: at ``rope = 64`` a head's 32
+    pairs fill one warp (32 lanes, one pair each), so every load and store of a row is in one
+    warp and the missing barrier cannot show; at ``rope = 128`` a row spans two warps, which is
+    the incumbent's cross-warp race (docs/race.md)."""
     from .kernels.racy_control import racy_rope_inplace
 
-    n_seqs, heads, rope = (64, 32, 64) if device == "cuda" else (4, 4, 32)
+    n_seqs, heads = (64, 32) if device == "cuda" else (4, 4)
+    rope = rope if device == "cuda" else 32
     lens = torch.randint(1, 12, (n_seqs,), generator=gen, device=device)
     cu = torch.cat((lens.new_zeros(1), lens.cumsum(0))).to(torch.int32)
     n_tokens = int(cu[-1])
@@ -378,15 +386,15 @@ def run(args: argparse.Namespace) -> int:
         control_failed = 0
         control_by_config: dict[str, list[int]] = {}
         gen = torch.Generator(device=device).manual_seed(args.seed)
-        # The faithful control (no barrier, the incumbent's lookup) and, on the GPU, the same
-        # kernel with warp 0 delayed (racy_control's skew injector) to make the race show.
-        configs = [(1, 4, 0), (2, 4, 0), (2, 8, 0), (4, 8, 0)]
+        # The faithful control (no barrier, the incumbent's lookup) at R = 64 and R = 128 and,
+        # on the GPU, the same kernel with warp 0 delayed (racy_control's skew injector).
+        configs = [(64, 1, 4, 0), (64, 2, 8, 0), (128, 1, 4, 0), (128, 1, 8, 0)]
         if device == "cuda":
-            configs += [(1, 4, 256), (2, 8, 256)]
+            configs += [(64, 2, 8, 256), (128, 1, 4, 256)]
         for index in range(args.control_trials):
-            block_h, warps, skew = configs[index % len(configs)]
-            wrong = run_control_trial(device, gen, block_h, warps, skew)
-            key = f"block_h={block_h},num_warps={warps},skew={skew}"
+            rope, block_h, warps, skew = configs[index % len(configs)]
+            wrong = run_control_trial(device, gen, block_h, warps, skew, rope)
+            key = f"rope={rope},block_h={block_h},num_warps={warps},skew={skew}"
             stats = control_by_config.setdefault(key, [0, 0])
             stats[0] += 1
             stats[1] += wrong > 0
