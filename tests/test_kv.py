@@ -728,6 +728,14 @@ def test_out_of_range_positions_are_nan_in_that_row_only(source, device):
     check_backward(dk, dv, dkv, dk_pe, cos2d, sin2d, positions, case)
 
 
+def relayout(x: torch.Tensor, il_in: bool, il_out: bool) -> torch.Tensor:
+    """Rope channels ``[..., R]`` read as pairs in one layout (``il_in``: interleaved, else
+    halves) and written in the other (``il_out``), values untouched."""
+    half = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if il_in else (x[..., :half], x[..., half:])
+    return join_pairs(a, b, il_out)
+
+
 def fixed_order_head_sum(g: torch.Tensor) -> torch.Tensor:
     """``[T, H, R] -> [T, R]`` in fp32, in the order kernels/kv.py documents: chunks of 16
     heads (missing heads are -0.0), each summed as a pairwise tree (``h + (h + 8)``, then
@@ -769,12 +777,6 @@ def test_padding_rows_pass_through(interleaved, interleaved_out, device):
     _, dk_pe = backward(dk, dv, cos_nan, sin_nan, positions, case)
 
     pad = slice(CU_EDGES[-1], None)
-    half = case.rope // 2
-
-    def relayout(x, il_in, il_out):
-        a, b = (x[..., 0::2], x[..., 1::2]) if il_in else (x[..., :half], x[..., half:])
-        return join_pairs(a, b, il_out)
-
     want_k = relayout(k_pe[pad], interleaved, interleaved_out)
     assert bitwise_equal(k[pad, :, case.k_dim :], want_k[:, None, :].expand(-1, case.heads, -1))
     total = fixed_order_head_sum(dk[pad, :, case.k_dim :].float())
