@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 
@@ -77,6 +78,50 @@ def test_bytes_model_spec_table_matches_function():
 def test_bytes_model_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         bytes_moved(tokens=1, dims=TINY, **kwargs)
+
+
+# ----------------------------------------------------------------------------- mlarope.sweep
+# The sweep's ops as bench.bytes_moved arguments: (op, direction, inplace, copy_v).
+SWEEP_OPS = {
+    "q_inplace": ("q", "fwd", True, True),
+    "q": ("q", "fwd", False, True),
+    "kv": ("kv", "fwd", False, True),
+    "kv_no_v": ("kv", "fwd", False, False),
+    "kv_bwd": ("kv", "bwd", False, True),
+}
+
+
+@pytest.mark.parametrize("op", list(SWEEP_OPS))
+def test_sweep_bytes_match_bench_model(op):
+    """``python -m mlarope.sweep`` reports TB/s from its own bytes model (``_bytes``); it must
+    be ``bench.bytes_moved`` at the sweep's shapes (DeepSeek-V3 widths, ``TOKENS`` tokens in
+    every case), or the sweep's and the benchmark's percentages of copy disagree."""
+    sweep = pytest.importorskip("mlarope.sweep")
+    assert set(sweep.OPS) == set(SWEEP_OPS)
+    dims = MlaDims(sweep.HEADS, sweep.NOPE, sweep.ROPE, sweep.K_DIM, sweep.V_DIM, elem_bytes=2)
+    assert dims == MlaDims.deepseek_v3()
+    for case in sweep.CASES:
+        _, tokens = sweep._positions(case, "cpu")
+        assert math.prod(tokens) == sweep.TOKENS, f"case {case} is not TOKENS tokens"
+    kind, direction, inplace, copy_v = SWEEP_OPS[op]
+    want = bytes_moved(
+        kind, direction, tokens=sweep.TOKENS, dims=dims, inplace=inplace, copy_v=copy_v
+    )
+    assert sweep._bytes(op) == want
+
+
+def test_sweep_without_cuda_exits_2(monkeypatch, capsys):
+    """``python -m mlarope.sweep`` on a machine without CUDA exits 2 with a message saying so
+    (after parsing its arguments, before touching a device). CUDA is hidden with monkeypatch,
+    so this runs in both lanes."""
+    sweep = pytest.importorskip("mlarope.sweep")
+    monkeypatch.setattr(sweep.torch.cuda, "is_available", lambda: False)
+    assert sweep.main(["--ops", "kv", "--cases", "sbhd", "--heuristic-only"]) == 2
+    captured = capsys.readouterr()
+    assert "needs a CUDA device" in captured.err and captured.out == ""
+    with pytest.raises(SystemExit) as exit_info:  # bad usage is argparse's exit 2, as usual
+        sweep.main(["--no-such-option"])
+    assert exit_info.value.code == 2
 
 
 # ----------------------------------------------------------------------------- targets

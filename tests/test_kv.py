@@ -784,6 +784,149 @@ def test_padding_rows_pass_through(interleaved, interleaved_out, device):
     assert bool(k[: CU_EDGES[-1], :, case.k_dim :].isnan().all()), "real rows read the tables"
 
 
+# Head counts around the head sum's 16-head chunks: below one chunk (1, 3), exactly one (16),
+# one chunk and a partial second (17, 20), two chunks and one head (33: HEADS_P2 = 64, so the
+# fourth chunk is all missing heads).
+HEAD_SUM_COUNTS = [1, 3, 16, 17, 20, 33]
+# 20 tokens: CU_EDGES covers 13, so rows 13..19 are padding.
+PAD_TOKENS = 20
+
+
+def sequential_head_sum(g: torch.Tensor) -> torch.Tensor:
+    """``[T, H, R] -> [T, R]`` fp32, heads added one after the other (an order the kernel does
+    not use: the tests check that it gives other bits, so they can tell the orders apart)."""
+    total = g[:, 0]
+    for h in range(1, g.shape[1]):
+        total = total + g[:, h]
+    return total
+
+
+@pytest.mark.parametrize("heads", HEAD_SUM_COUNTS)
+def test_head_sum_order_on_padding_rows(heads, device):
+    """``dk_pe`` on thd padding rows (no rotation) is bit for bit ``fixed_order_head_sum`` of
+    ``dk[..., K:]`` re-laid out, rounded once (fp32: exact), for head counts that exercise the
+    16-head chunks, the -0.0 padding of missing heads and the chunk loop (a dropped, doubled or
+    reordered chunk, or another tree, changes bits); real rows are held to the error model."""
+    case = Case(
+        layout="thd",
+        tokens=(PAD_TOKENS,),
+        source="cu",
+        cu=CU_EDGES,
+        heads=heads,
+        k_dim=16,
+        v_dim=16,
+        dtype=torch.float32,
+    )
+    inp = make_inputs(case, device)
+    kv, _, cos2d, sin2d, positions = checked(inp, case)
+    dk, dv, _ = make_grads(kv, case)
+    dkv, dk_pe = backward(dk, dv, cos2d, sin2d, positions, case)
+    check_backward(dk, dv, dkv, dk_pe, cos2d, sin2d, positions, case)
+
+    pad = slice(CU_EDGES[-1], None)
+    g = dk[pad, :, case.k_dim :].float()
+    total = fixed_order_head_sum(g).to(case.dtype)
+    want = relayout(total, case.interleaved_out, case.interleaved)
+    assert bitwise_equal(dk_pe[pad], want), f"{heads} heads: padding rows' dk_pe"
+    if heads >= 3:  # the comparison can see the order: plain summation gives other bits
+        other = relayout(sequential_head_sum(g), case.interleaved_out, case.interleaved)
+        assert not bitwise_equal(other, want), "test inputs too weak to tell summation orders"
+
+
+def zero_grads_case(heads: int, dtype, device):
+    """A padded thd batch (rows 13..19 are padding) -> (case, dk, dv, cos2d, sin2d, positions)."""
+    case = Case(
+        layout="thd",
+        tokens=(PAD_TOKENS,),
+        source="cu",
+        cu=CU_EDGES,
+        heads=heads,
+        k_dim=16,
+        v_dim=16,
+        dtype=dtype,
+    )
+    inp = make_inputs(case, device)
+    kv, _, cos2d, sin2d, positions = checked(inp, case)
+    dk, dv, _ = make_grads(kv, case)
+    return case, dk, dv, cos2d, sin2d, positions
+
+
+ZERO_DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"]
+)
+
+
+@ZERO_DTYPES
+@pytest.mark.parametrize("heads", [3, 16, 20])
+def test_head_sum_of_negative_zeros_is_negative_zero(heads, dtype, device):
+    """-0.0 is the head sum's identity (kernels/kv.py): an all -0.0 ``dk[..., K:]`` gives
+    -0.0 ``dk_pe`` (sign bit set) on padding rows, where nothing is rotated. Fails if missing
+    heads load as +0.0 or the sum starts from +0.0; every element of ``dk_pe`` is a zero."""
+    case, dk, dv, cos2d, sin2d, positions = zero_grads_case(heads, dtype, device)
+    dk[..., case.k_dim :] = torch.tensor(-0.0, dtype=dtype, device=device)
+    assert bool(torch.signbit(dk[..., case.k_dim :]).all())
+    _, dk_pe = backward(dk, dv, cos2d, sin2d, positions, case)
+    assert bool((dk_pe == 0).all()), "dk_pe is not all zeros"
+    pad = slice(CU_EDGES[-1], None)
+    assert bool(torch.signbit(dk_pe[pad]).all()), "padding rows' dk_pe lost the sign of -0.0"
+
+
+@ZERO_DTYPES
+@pytest.mark.parametrize("heads", [3, 20])
+def test_head_sum_of_positive_zeros_is_positive_zero(heads, dtype, device):
+    """An all +0.0 ``dk[..., K:]``, and one that is -0.0 but for a single +0.0 head, give +0.0
+    ``dk_pe`` on padding rows (IEEE round-to-nearest: -0.0 + +0.0 = +0.0): no head is dropped
+    from the sum and no sign is invented. Every element of ``dk_pe`` is a zero."""
+    case, dk, dv, cos2d, sin2d, positions = zero_grads_case(heads, dtype, device)
+    pad = slice(CU_EDGES[-1], None)
+    mixed = torch.full((heads, 1), -0.0, dtype=dtype)
+    mixed[heads // 2] = 0.0
+    for name, zeros in (("all +0.0", torch.tensor(0.0, dtype=dtype)), ("one +0.0 head", mixed)):
+        dk[..., case.k_dim :] = zeros.to(device)
+        _, dk_pe = backward(dk, dv, cos2d, sin2d, positions, case)
+        assert bool((dk_pe == 0).all()), f"{name}: dk_pe is not all zeros"
+        assert not bool(torch.signbit(dk_pe[pad]).any()), f"{name}: padding rows' dk_pe is -0.0"
+
+
+# block_t x block_h x block_c x num_warps. Under the interpreter (which ignores num_warps) a
+# pairwise-covering subset; the GPU lane runs the whole product.
+HEADS_20_GRID = (1, 2), (1, 4, 8), (16, 32), (1, 4)
+HEADS_20_PAIRWISE = [
+    (1, 1, 16, 1),
+    (2, 1, 32, 4),
+    (1, 4, 32, 1),
+    (2, 4, 16, 4),
+    (1, 8, 16, 4),
+    (2, 8, 32, 1),
+]
+
+
+def test_dk_pe_identical_for_every_launch_config_20_heads(device):
+    """With 20 heads (two head-sum chunks, the second mostly missing heads; head blocks of 1
+    and 4 that divide 20 and of 8 that leave a partial block; token blocks of 1 and 2 over an
+    odd token count) ``dk_pe`` and ``dkv`` have the same bits for every explicit launch
+    configuration and the heuristic's, and the first is right (error model). The
+    launch-config test above covers 3 heads (one partial chunk) under the interpreter."""
+    case = Case(layout="thd", tokens=(9,), source="cu", cu=CU_SMALL, heads=20, k_dim=40, v_dim=24)
+    grid = HEADS_20_PAIRWISE
+    if device.type == "cuda":
+        cu = CU_BIG
+        case = replace(case, tokens=(cu[-1] + 10,), cu=cu, k_dim=128, v_dim=128, table_rows=2048)
+        grid = list(itertools.product(*HEADS_20_GRID))
+    inp = make_inputs(case, device)
+    kv, _, cos2d, sin2d, positions = checked(inp, case)
+    dk, dv, _ = make_grads(kv, case)
+    n_tokens = case.tokens[0]
+    heuristic = choose_kv_backward_config(n_tokens, case.heads, max(case.k_dim, case.v_dim), 64)
+    configs = [heuristic] + [KVLaunchConfig(*c) for c in grid]
+    dkv0, dk_pe0 = backward(dk, dv, cos2d, sin2d, positions, case, config=configs[0])
+    check_backward(dk, dv, dkv0, dk_pe0, cos2d, sin2d, positions, case)
+    for config in configs[1:]:
+        dkv, dk_pe = backward(dk, dv, cos2d, sin2d, positions, case, config=config)
+        assert bitwise_equal(dk_pe, dk_pe0), f"dk_pe differs with {config} vs {configs[0]}"
+        assert bitwise_equal(dkv, dkv0), f"dkv differs with {config} vs {configs[0]}"
+
+
 # ---------------------------------------------------------------------------------------------
 # public API: autograd, copy_v views, torch.compile
 # ---------------------------------------------------------------------------------------------

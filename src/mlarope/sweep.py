@@ -62,7 +62,8 @@ def _bytes(op: str) -> int:
         "kv_no_v": K_DIM * 2 + (K_DIM + ROPE) * 2,
         "kv_bwd": (K_DIM + ROPE + V_DIM) * 2 + (K_DIM + V_DIM) * 2,
     }[op]
-    return TOKENS * (HEADS * per_head + ROPE * 2)
+    per_token = 0 if op.startswith("q") else ROPE * 2  # the k_pe / dk_pe row
+    return TOKENS * (HEADS * per_head + per_token)
 
 
 def _positions(case: str, device) -> tuple[Positions, tuple[int, ...]]:

@@ -139,11 +139,14 @@ def _sum_heads(dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T: tl.cons
     (an all -0.0 gradient sums to -0.0, as in exact arithmetic)."""
     r = tl.arange(0, R)[None, None, :]
     total = tl.zeros((BLOCK_T, R), dtype=tl.float32)
+    # -0.0 made from its bits: Triton folds a float literal equal to zero (even -0.0) into +0.0.
+    negative_zero = tl.full((BLOCK_T, 16, R), -(2**31), tl.int32).to(tl.float32, bitcast=True)
     for h0 in tl.static_range(0, HEADS_P2, 16):
         h = h0 + tl.arange(0, 16)
         rows = dk_tok[:, None, None] + (h.to(tl.int64) * stride_dkh)[None, :, None] + k_dim
         m = m_t[:, None, None] & (h < n_heads)[None, :, None] & (r < R)
-        g = tl.load(dk_ptr + rows + r, mask=m, other=-0.0).to(tl.float32)
+        g = tl.load(dk_ptr + rows + r, mask=m, other=0.0).to(tl.float32)
+        g = tl.where(m, g, negative_zero)
         g = _halve_heads(g, BLOCK_T, 16, R)
         g = _halve_heads(g, BLOCK_T, 8, R)
         g = _halve_heads(g, BLOCK_T, 4, R)

@@ -1,0 +1,132 @@
+"""thd positions from ``cu_seqlens``: ``_cu_seqlens_positions_kernel``, launched once per call by
+``position_args``, against the plain-PyTorch spec ``mlarope.positions.token_positions``.
+
+Runs on the ``device`` fixture: CPU tensors under Triton's interpreter in the CPU lane, CUDA in
+the GPU lane. The kernel writes one int64 per token: its position, or -1 for padding (tokens at
+or past ``cu_seqlens[-1] // cp_size``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlarope import _checks
+from mlarope.kernels._lookup import _SEARCH_BLOCK, CU_SEQLENS, position_args, search_steps
+from mlarope.positions import token_positions
+
+CP_RANKS = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
+TABLE_ROWS = 1 << 20  # only bounds sequence lengths in the validity check
+
+
+def cu_from_units(units: list[int], cp_size: int) -> list[int]:
+    """Global ``cu_seqlens`` from lengths in units of ``2 * cp_size`` tokens (one token per
+    local chunk; any length when ``cp_size == 1``), so every case is a valid call."""
+    unit = 1 if cp_size == 1 else 2 * cp_size
+    cu = [0]
+    for n in units:
+        cu.append(cu[-1] + n * unit)
+    return cu
+
+
+def lookup_case(name: str, cp_size: int) -> tuple[list[int], int]:
+    """``(cu_seqlens, local token count)`` of a named case."""
+    gen = torch.Generator().manual_seed(1234)
+    if name == "edges":  # empty first, middle and next-to-last sequences; one-token chunks
+        units = [0, 1, 0, 3, 1, 1, 0, 5]
+        tail = 3
+    elif name == "one-seq":
+        units, tail = [6], 2
+    elif name == "five-seqs":
+        units, tail = [2, 0, 1, 4, 1], 1
+    elif name == "300-seqs":  # 3 search steps, several 256-token programs
+        units = torch.randint(0, 4, (300,), generator=gen).tolist()
+        tail = 5
+    elif name == "300-seqs-no-tail":
+        units = torch.randint(0, 4, (300,), generator=gen).tolist()
+        tail = 0
+    elif name == "all-empty":
+        units, tail = [0, 0, 0], 4
+    elif name == "no-seqs":  # cu_seqlens == [0]: every token is padding
+        units, tail = [], 5
+    else:
+        raise ValueError(name)
+    cu = cu_from_units(units, cp_size)
+    return cu, cu[-1] // cp_size + tail
+
+
+CASES = ["edges", "one-seq", "five-seqs", "300-seqs", "300-seqs-no-tail", "all-empty", "no-seqs"]
+
+
+def kernel_positions(cu: torch.Tensor, n_tokens: int, cp_rank: int, cp_size: int, device):
+    """``position_args`` on a thd batch of ``n_tokens`` -> the kernel's ``[T]`` positions."""
+    x = torch.empty(n_tokens, 1, 1, device=device)  # stands in for q / kv: token count, device
+    positions = _checks.check_positions(
+        x, TABLE_ROWS, layout="thd", cu_seqlens=cu, position_ids=None, cp_rank=cp_rank,
+        cp_size=cp_size,
+    )  # fmt: skip
+    _checks.check_positions_on_device(positions, n_tokens, TABLE_ROWS)  # a valid call
+    args = position_args(positions, x, (n_tokens, 1))
+    assert args["POS_MODE"] == CU_SEQLENS and args["n_seqs"] == cu.shape[0] - 1
+    found = args["ids_ptr"]
+    assert found.dtype == torch.int64 and found.shape == (n_tokens,)
+    assert found.device == x.device
+    return positions, found
+
+
+def spec_positions(positions, n_tokens: int, device) -> torch.Tensor:
+    pos, is_padding = token_positions(positions, (n_tokens,), device)
+    return torch.where(is_padding, -1, pos)
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["cu32", "cu64"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("cp", CP_RANKS, ids=lambda cp: f"cp{cp[0]}-rank{cp[1]}")
+def test_cu_seqlens_positions_match_spec(cp, case, cu_dtype, device):
+    """The position kernel gives ``token_positions``' positions and -1 for exactly the padding
+    tokens, for every rank of cp_size 1, 2 and 4, int32 and int64 ``cu_seqlens``, empty and
+    one-token-per-chunk sequences, padded tails, 1 to 300 sequences (0 to 3 search steps, up to
+    four 256-token programs) and ``cu_seqlens == [0]``."""
+    cp_size, cp_rank = cp
+    cu_list, n_tokens = lookup_case(case, cp_size)
+    cu = torch.tensor(cu_list, dtype=cu_dtype, device=device)
+    positions, got = kernel_positions(cu, n_tokens, cp_rank, cp_size, device)
+    want = spec_positions(positions, n_tokens, device)
+    assert int((want == -1).sum()) == n_tokens - cu_list[-1] // cp_size  # the spec's padding
+    bad = (got != want).nonzero().flatten().tolist()
+    assert not bad, (
+        f"{len(bad)} of {n_tokens} tokens differ, first {bad[:5]}: got "
+        f"{got[bad[:5]].tolist()}, want {want[bad[:5]].tolist()}"
+    )
+
+
+def test_case_shapes_reach_the_search_limits():
+    """The cases above reach what they claim: 300 sequences need 3 search steps (over 256 = 16**2
+    sequences) and span more than one 256-token program; 5 need one step, 1 and ``[0]`` none."""
+    for cp_size in (1, 2, 4):
+        cu, n_tokens = lookup_case("300-seqs", cp_size)
+        assert len(cu) - 1 == 300 and search_steps(300) == 3 and search_steps(256) == 2
+        assert n_tokens > _SEARCH_BLOCK
+        assert lookup_case("no-seqs", cp_size)[0] == [0] and search_steps(0) == 0
+        assert search_steps(5) == 1 and search_steps(1) == 0
+
+
+@pytest.mark.parametrize(
+    ("cu_list", "n_tokens", "cp_rank", "cp_size", "expected"),
+    [
+        # sequences of 3, 0, 1 and 2 tokens, then 2 padding tokens
+        ([0, 3, 3, 4, 6], 8, 0, 1, [0, 1, 2, 0, 0, 1, -1, -1]),
+        # global lengths 4, 0, 8 over 2 ranks (chunks of 1, 1 and 2 tokens), 1 padding token:
+        # rank 0 holds global chunks 0 and 3, rank 1 chunks 1 and 2
+        ([0, 4, 4, 12], 7, 0, 2, [0, 3, 0, 1, 6, 7, -1]),
+        ([0, 4, 4, 12], 7, 1, 2, [1, 2, 2, 3, 4, 5, -1]),
+        ([0], 3, 0, 1, [-1, -1, -1]),
+    ],
+    ids=["cp1", "cp2-rank0", "cp2-rank1", "no-seqs"],
+)
+def test_cu_seqlens_positions_by_hand(cu_list, n_tokens, cp_rank, cp_size, expected, device):
+    """Worked examples, so the kernel and the spec are not only checked against each other."""
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+    positions, got = kernel_positions(cu, n_tokens, cp_rank, cp_size, device)
+    assert got.tolist() == expected
+    assert spec_positions(positions, n_tokens, device).tolist() == expected
