@@ -5,7 +5,8 @@
 #   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
 #                                    [sweep] [sweep_base]
 #   (default: the first six, in that order; sweep = python -m mlarope.sweep, the launch-config
-#   sweep; sweep_base = its heuristic rows for the package copy in .ab/base, an A/B baseline)
+#   sweep; sweep_base = its heuristic rows for a package copy in .ab/base, an A/B baseline:
+#   copy src/mlarope there, with the current sweep.py, and carry .ab)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -35,7 +36,7 @@ for step in "${steps[@]}"; do
     tests)
       timeout "${TESTS_SECONDS:-200}" python3 -m pytest -q -n 16 tests --device cuda \
         -k "not gloo" -p no:cacheprovider -rfE -v --durations=15 \
-        >"$OUT/pytest.log" 2>&1
+        >"$OUT/pytest.log" 2>&1 || status=1
       grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -30 ;;
     stress)
       python3 -m mlarope stress --trials "${STRESS_TRIALS:-20000}" \
@@ -60,10 +61,11 @@ for step in "${steps[@]}"; do
         --label base --heuristic-only --ops q_inplace,kv,kv_no_v,kv_bwd \
         --json "$OUT/sweep_base.json" 2>&1 | tail -20 ;;
     compile_debug)
-      # The open CUDA-only torch.compile gradient bug (docs/gpu_lane.md): Inductor's generated
-      # code and the three call patterns' results, for reading off the machine.
+      # Inductor's generated code for the torch.compile tests of the query op (how the CUDA-only
+      # compiled-gradient bug was found and its fix checked; docs/gpu_lane.md).
       TORCH_LOGS=output_code timeout 70 python3 -m pytest -q -p no:cacheprovider --device cuda \
-        "tests/test_q.py::test_q_torch_compile_fullgraph" > "$OUT/compile_debug.log" 2>&1
+        "tests/test_q.py::test_q_torch_compile_fullgraph" > "$OUT/compile_debug.log" 2>&1 \
+        || status=1
       tail -5 "$OUT/compile_debug.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac

@@ -741,7 +741,7 @@ def fixed_order_head_sum(g: torch.Tensor) -> torch.Tensor:
     heads (missing heads are -0.0), each summed as a pairwise tree (``h + (h + 8)``, then
     ``+ 4``, ``+ 2``, ``+ 1``), the chunks added in head order."""
     n_tokens, heads, rope = g.shape
-    padded_heads = max(16, 1 << (heads - 1).bit_length())
+    padded_heads = 16 * max(1, -(-heads // 16))
     padded = torch.full((n_tokens, padded_heads, rope), -0.0, dtype=g.dtype, device=g.device)
     padded[:, :heads] = g
     total = None
@@ -785,8 +785,8 @@ def test_padding_rows_pass_through(interleaved, interleaved_out, device):
 
 
 # Head counts around the head sum's 16-head chunks: below one chunk (1, 3), exactly one (16),
-# one chunk and a partial second (17, 20), two chunks and one head (33: HEADS_P2 = 64, so the
-# fourth chunk is all missing heads).
+# one chunk and a partial second (17, 20), two chunks and one head (33: a third chunk of one
+# head and 15 missing ones).
 HEAD_SUM_COUNTS = [1, 3, 16, 17, 20, 33]
 # 20 tokens: CU_EDGES covers 13, so rows 13..19 are padding.
 PAD_TOKENS = 20

@@ -2,7 +2,8 @@
 ``position_args``, against the plain-PyTorch spec ``mlarope.positions.token_positions``.
 
 Runs on the ``device`` fixture: CPU tensors under Triton's interpreter in the CPU lane, CUDA in
-the GPU lane. The kernel writes one int64 per token: its position, or -1 for padding (tokens at
+the GPU lane. The kernel writes one int64 per token: its position, or PADDING_POSITION (the
+int64 minimum; -1 in the hand-made cases below) for padding (tokens at
 or past ``cu_seqlens[-1] // cp_size``).
 """
 
@@ -11,8 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlarope import _checks
-from mlarope.kernels._lookup import _SEARCH_BLOCK, CU_SEQLENS, position_args, search_steps
+from mlarope import _checks, reference
+from mlarope.kernels._lookup import (
+    _SEARCH_BLOCK,
+    CU_SEQLENS,
+    PADDING_POSITION,
+    position_args,
+    search_steps,
+)
 from mlarope.positions import token_positions
 
 CP_RANKS = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
@@ -76,23 +83,23 @@ def kernel_positions(cu: torch.Tensor, n_tokens: int, cp_rank: int, cp_size: int
 
 def spec_positions(positions, n_tokens: int, device) -> torch.Tensor:
     pos, is_padding = token_positions(positions, (n_tokens,), device)
-    return torch.where(is_padding, -1, pos)
+    return torch.where(is_padding, PADDING_POSITION, pos)
 
 
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["cu32", "cu64"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("cp", CP_RANKS, ids=lambda cp: f"cp{cp[0]}-rank{cp[1]}")
 def test_cu_seqlens_positions_match_spec(cp, case, cu_dtype, device):
-    """The position kernel gives ``token_positions``' positions and -1 for exactly the padding
-    tokens, for every rank of cp_size 1, 2 and 4, int32 and int64 ``cu_seqlens``, empty and
-    one-token-per-chunk sequences, padded tails, 1 to 300 sequences (0 to 3 search steps, up to
-    four 256-token programs) and ``cu_seqlens == [0]``."""
+    """The position kernel gives ``token_positions``' positions, and the padding marker for
+    exactly the padding tokens, for every rank of cp_size 1, 2 and 4, int32 and int64
+    ``cu_seqlens``, empty and one-token-per-chunk sequences, padded tails, 1 to 300 sequences
+    (0 to 3 search steps, up to four 256-token programs) and ``cu_seqlens == [0]``."""
     cp_size, cp_rank = cp
     cu_list, n_tokens = lookup_case(case, cp_size)
     cu = torch.tensor(cu_list, dtype=cu_dtype, device=device)
     positions, got = kernel_positions(cu, n_tokens, cp_rank, cp_size, device)
     want = spec_positions(positions, n_tokens, device)
-    assert int((want == -1).sum()) == n_tokens - cu_list[-1] // cp_size  # the spec's padding
+    assert int((want == PADDING_POSITION).sum()) == n_tokens - cu_list[-1] // cp_size
     bad = (got != want).nonzero().flatten().tolist()
     assert not bad, (
         f"{len(bad)} of {n_tokens} tokens differ, first {bad[:5]}: got "
@@ -128,5 +135,28 @@ def test_cu_seqlens_positions_by_hand(cu_list, n_tokens, cp_rank, cp_size, expec
     """Worked examples, so the kernel and the spec are not only checked against each other."""
     cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
     positions, got = kernel_positions(cu, n_tokens, cp_rank, cp_size, device)
+    expected = [PADDING_POSITION if p == -1 else p for p in expected]
     assert got.tolist() == expected
     assert spec_positions(positions, n_tokens, device).tolist() == expected
+
+
+@pytest.mark.parametrize("cu_list", [[2, 5, 8], [3, 5, 8]], ids=["starts-at-2", "starts-at-3"])
+def test_malformed_cu_seqlens_give_nan_not_silence(cu_list, device):
+    """Without validation, ``cu_seqlens[0] != 0`` gives the first tokens negative positions;
+    those rows must come out NaN (out of range), as in the reference, never pass through
+    unrotated as if they were padding: only the kernel's padding marker means padding. (Other
+    malformed ``cu_seqlens``, e.g. decreasing ones, are undefined in the spec too;
+    ``validate=True`` rejects them all.)"""
+    import mlarope
+
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+    cos, sin = mlarope.YarnConfig.deepseek_v3().cos_sin(64, device=device)
+    q = torch.randn(8, 2, 16 + 64, device=device)
+    got = mlarope.apply_rope_q(q, cos, sin, layout="thd", cu_seqlens=cu)
+    want = reference.apply_rope_q(
+        q.double().cpu(), cos.double().cpu(), sin.double().cpu(), layout="thd",
+        cu_seqlens=cu.cpu(),
+    )  # fmt: skip
+    nan_rows = want[..., 16:].isnan().all(-1).all(-1)
+    assert bool(nan_rows.any()), "the case should have out-of-range rows"
+    assert torch.equal(got[..., 16:].isnan().all(-1).all(-1).cpu(), nan_rows)

@@ -265,10 +265,10 @@ def test_q_inplace_without_grad_bumps_version(device):
 
 @pytest.mark.parametrize("calls", ["out_of_place", "in_place", "both"])
 def test_q_torch_compile_fullgraph(calls, device):
-    """Compiled with fullgraph=True (no graph break): the same kernel outputs and gradients.
-
-    ``both`` (an out-of-place and an in-place call on one input in one graph) fails on CUDA
-    as of 2026-11-29 (docs/gpu_lane.md); the single-call cases narrow down where."""
+    """Compiled with fullgraph=True (no graph break): the same kernel outputs and gradients, for
+    an out-of-place call, an in-place call, and both on one input in one graph. (The in-place
+    cases failed on CUDA with torch 2.11 until the compiled in-place path with autograd became
+    out of place plus a copy: docs/gpu_lane.md.)"""
     case = Case(layout="thd", tokens=(15,), source="cu", dtype=torch.float32)
     q0, cos, sin, kwargs = make_inputs(case, device)
 

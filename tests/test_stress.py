@@ -55,3 +55,17 @@ def test_racy_control_is_caught_on_gpu(tmp_path, device):
         stress.run_control_trial("cuda", gen, 1, 4, skew_steps=256, rope=128) > 0 for _ in range(50)
     )
     assert failed > 0, "the racy control never failed: the harness would not see a race"
+
+
+def test_stress_stopped_early_exits_1(tmp_path, device):
+    """A run cut short by ``--max-seconds`` did not do what was asked: exit code 1, and the
+    summary counts only the trials that ran."""
+    parser = argparse.ArgumentParser()
+    stress.add_arguments(parser)
+    args = parser.parse_args(
+        ["--trials", "6", "--control-trials", "0", "--small", "--device", device.type,
+         "--max-seconds", "1e-9", "--json", str(tmp_path / "stress.json")]
+    )  # fmt: skip
+    assert stress.run(args) == 1
+    summary = json.loads((tmp_path / "stress.json").read_text())
+    assert 0 < summary["trials"] < 6 and summary["failed_trials"] == 0

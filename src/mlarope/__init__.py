@@ -77,11 +77,12 @@ def apply_rope_q(
         cos2d, sin2d, positions.cu_seqlens, positions.position_ids, positions.layout,
         positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse,
     )  # fmt: skip
-    if inplace and q.requires_grad and torch.compiler.is_compiling():
+    if inplace and _needs_autograd(q) and torch.compiler.is_compiling():
         # Compiled with autograd, the in-place op is the out-of-place op copied back: torch
         # 2.11's compiled backward of an autograd.Function that marks its in-place custom op's
-        # input dirty passed the gradient through unrotated (docs/semantics.md). The copy costs
-        # the nope channels' bytes once more; the values and gradients are the same bits.
+        # input dirty passed the gradient through unrotated (docs/semantics.md). The same values
+        # and gradients, bit for bit; it moves whole rows twice (about 4 (N + R) elements per
+        # row instead of 2 R) unless Inductor fuses the copy.
         return q.copy_(RopeQFunction.apply(q, *args, False))
     if _needs_autograd(q) or torch.compiler.is_compiling():
         return RopeQFunction.apply(q, *args, inplace)

@@ -91,6 +91,7 @@ def compile_report(fn, pointer_types: dict, constexprs: dict, num_warps: int, na
 def deepseek_v3_reports() -> list[KernelReport]:
     """The kernels with the launch configuration the heuristics pick at DeepSeek-V3 shapes
     (H = 128, N = 128, R = 64, K = V = 128, bf16, fp32 tables)."""
+    from .kernels._lookup import _SEARCH_BLOCK, _cu_seqlens_positions_kernel
     from .kernels.kv import (
         _rope_kv_bwd_kernel,
         _rope_kv_fwd_kernel,
@@ -99,7 +100,8 @@ def deepseek_v3_reports() -> list[KernelReport]:
     )
     from .kernels.q import _rope_q_kernel, choose_q_config
 
-    tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "cu_ptr": "*i32", "ids_ptr": "*i32"}
+    # ids_ptr: the int64 positions the cu_seqlens search kernel writes (thd rows).
+    tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "cu_ptr": "*i32", "ids_ptr": "*i64"}
     reports = []
     q_ptrs = {"x_ptr": "*bf16", "out_ptr": "*bf16", **tables}
     for mode, label in ((0, "sbhd"), (2, "thd cu_seqlens")):
@@ -129,9 +131,15 @@ def deepseek_v3_reports() -> list[KernelReport]:
     }
     consts = dict(
         POS_MODE=0, HALF=32, BLOCK_T=bc.block_t, BLOCK_H=bc.block_h, BLOCK_C=bc.block_c,
-        HEADS_P2=128, INTERLEAVED_IN=True, INTERLEAVED_OUT=False,
+        HEADS_PADDED=128, INTERLEAVED_IN=True, INTERLEAVED_OUT=False,
     )  # fmt: skip
     reports.append(compile_report(_rope_kv_bwd_kernel, bwd_ptrs, consts, bc.num_warps, "kv bwd"))
+    reports.append(
+        compile_report(
+            _cu_seqlens_positions_kernel, {"cu_ptr": "*i32", "out_ptr": "*i64"},
+            {"BLOCK": _SEARCH_BLOCK}, 4, "thd positions (cu_seqlens search)",
+        )
+    )  # fmt: skip
     return reports
 
 

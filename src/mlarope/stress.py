@@ -246,8 +246,8 @@ def run_control_trial(
     the incumbent's cross-warp race (docs/race.md)."""
     from .kernels.racy_control import racy_rope_inplace
 
-    n_seqs, heads = (64, 32) if device == "cuda" else (4, 4)
-    rope = rope if device == "cuda" else 32
+    on_gpu = torch.device(device).type == "cuda"
+    n_seqs, heads = (64, 32) if on_gpu else (4, 4)
     lens = torch.randint(1, 12, (n_seqs,), generator=gen, device=device)
     cu = torch.cat((lens.new_zeros(1), lens.cumsum(0))).to(torch.int32)
     n_tokens = int(cu[-1])
@@ -350,7 +350,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit code 0 when every trial of ours had 0 wrong elements, 1 otherwise."""
+    """Exit code 0 when every requested trial of ours ran with 0 wrong elements; 1 when a trial
+    failed or ``--max-seconds`` stopped the run before all trials ran."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -392,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
         # The faithful control (no barrier, the incumbent's lookup) at R = 64 and R = 128 and,
         # on the GPU, the same kernel with warp 0 delayed (racy_control's skew injector).
         configs = [(64, 1, 4, 0), (64, 2, 8, 0), (128, 1, 4, 0), (128, 1, 8, 0)]
-        if device == "cuda":
+        if torch.device(device).type == "cuda":
             configs += [(64, 2, 8, 256), (128, 1, 4, 256)]
         for index in range(args.control_trials):
             rope, block_h, warps, skew = configs[index % len(configs)]
@@ -426,12 +427,17 @@ def run(args: argparse.Namespace) -> int:
     table.add_column("trials", justify="right")
     table.add_column("failed trials", justify="right")
     table.add_column("wrong elements", justify="right")
-    table.add_row("mlarope (ours)", str(summary["trials"]), str(len(failures)),
+    table.add_row("mlarope (ours)", f"{summary['trials']} of {args.trials}", str(len(failures)),
                   str(summary["wrong_elements"]))  # fmt: skip
     table.add_row("racy control", str(args.control_trials), str(control_failed), "-")
     console.print(table)
     console.print(f"control by launch config: {control_by_config}; {elapsed:.1f} s on {device}")
+    if summary["trials"] < args.trials:
+        console.print(
+            f"[bold red]stopped early[/]: {summary['trials']} of {args.trials} trials ran in the "
+            f"--max-seconds limit; exit code 1"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2, default=str)
-    return 1 if failures else 0
+    return 1 if failures or summary["trials"] < args.trials else 0

@@ -9,7 +9,8 @@ device-to-device copy, and a strided copy of exactly the elements the in-place q
 pattern can do. It is how the heuristics in ``kernels/q.py`` and ``kernels/kv.py`` were chosen
 (docs/perf_log.md).
 
-Timing: ``triton.testing.do_bench`` (L2 flushed before each call, median of the repetitions).
+Timing: ``triton.testing.do_bench`` (L2 flushed before each call; its default return, the mean
+of the repetitions).
 Output: a table on stdout and ``--json``.
 """
 

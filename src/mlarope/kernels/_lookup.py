@@ -5,10 +5,11 @@ Computes, for a block of token indices, the same ``(pos, is_padding)`` as
 O(log n) (a 16-ary search in ``cu_seqlens``), never a scan over all sequences.
 
 With ``cu_seqlens`` the search runs once per call in a small kernel of its own
-(``_cu_seqlens_positions_kernel``, T int64 positions, -1 for padding), and the rotation kernels
-then read one position per token. Searching inside the rotation kernels put three dependent
-L2 round trips in front of every tile's loads and cost 20-35 % of the in-place query op's
-bandwidth (docs/perf_log.md, v6); the extra launch costs a few microseconds of GPU time.
+(``_cu_seqlens_positions_kernel``: T int64 positions, ``PADDING_POSITION`` for padding), and
+the rotation kernels then read one position per token. Searching inside the rotation kernels
+put three dependent L2 round trips in front of every tile's loads and cost 20-35 % of the
+in-place query op's bandwidth (docs/perf_log.md, v6); the extra launch costs a few
+microseconds of GPU time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ SEQ_DIM0 = 0  # sbhd, or thd without cu_seqlens: position = index along token di
 SEQ_DIM1 = 1  # bshd: position = index along token dim 1
 CU_SEQLENS = 2  # thd with cu_seqlens: positions precomputed by _cu_seqlens_positions_kernel
 POSITION_IDS = 3  # explicit ids, read with their strides
+
+# What the position kernel writes for a padding token: the int64 minimum, which no search can
+# produce (malformed cu_seqlens can give other negative positions; those must become NaN).
+PADDING_POSITION = -(2**63)
 
 # Kernel integers that change from call to call but feed only masks and index arithmetic. They
 # are not specialized (Triton would compile a variant per value class, == 1 and % 16), so a new
@@ -71,7 +76,9 @@ def token_positions(
         pos = _global_position(i1, n_seqs, cp_rank, cp_size)
     elif POS_MODE == 2:
         pos = tl.load(ids_ptr + t, mask=t_mask, other=0)
-        is_padding = pos < 0
+        # Only the marker is padding: a negative position searched from malformed cu_seqlens
+        # stays out of range and comes out as NaN, as in the reference.
+        is_padding = pos == -9223372036854775807 - 1  # PADDING_POSITION
     else:
         pos = tl.load(ids_ptr + i0 * stride_id0 + i1 * stride_id1, mask=t_mask, other=0)
         pos = pos.to(tl.int64)
@@ -121,11 +128,12 @@ def search_cu_seqlens(
 def _cu_seqlens_positions_kernel(
     cu_ptr, out_ptr, n_tokens, n_seqs, search_steps, cp_rank, cp_size, BLOCK: tl.constexpr
 ):
-    """``out[t]``: token ``t``'s position, or -1 for a padding token (``[T]`` int64)."""
+    """``out[t]``: token ``t``'s position, or ``PADDING_POSITION`` for a padding token
+    (``[T]`` int64)."""
     t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m = t < n_tokens
     pos, is_padding = search_cu_seqlens(t, m, cu_ptr, n_seqs, search_steps, cp_rank, cp_size)
-    tl.store(out_ptr + t, tl.where(is_padding, -1, pos), mask=m)
+    tl.store(out_ptr + t, tl.where(is_padding, -9223372036854775807 - 1, pos), mask=m)
 
 
 @triton.jit

@@ -129,7 +129,7 @@ def _halve_heads(g, BLOCK_T: tl.constexpr, S: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def _sum_heads(dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T: tl.constexpr,
-               HEADS_P2: tl.constexpr, R: tl.constexpr):  # fmt: skip
+               HEADS_PADDED: tl.constexpr, R: tl.constexpr):  # fmt: skip
     """fp32 ``[BLOCK_T, R]``: the sum over heads of ``dk[..., K:]`` in a fixed order.
 
     Heads come in chunks of 16, each summed by a fixed pairwise tree (``h + (h + 8)``, then
@@ -141,7 +141,7 @@ def _sum_heads(dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T: tl.cons
     total = tl.zeros((BLOCK_T, R), dtype=tl.float32)
     # -0.0 made from its bits: Triton folds a float literal equal to zero (even -0.0) into +0.0.
     negative_zero = tl.full((BLOCK_T, 16, R), -(2**31), tl.int32).to(tl.float32, bitcast=True)
-    for h0 in tl.static_range(0, HEADS_P2, 16):
+    for h0 in tl.static_range(0, HEADS_PADDED, 16):
         h = h0 + tl.arange(0, 16)
         rows = dk_tok[:, None, None] + (h.to(tl.int64) * stride_dkh)[None, :, None] + k_dim
         m = m_t[:, None, None] & (h < n_heads)[None, :, None] & (r < R)
@@ -175,7 +175,7 @@ def _rope_kv_bwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    HEADS_P2: tl.constexpr,  # next power of two >= n_heads, at least 16
+    HEADS_PADDED: tl.constexpr,  # n_heads rounded up to a multiple of 16
     INTERLEAVED_IN: tl.constexpr,  # k_pe's layout (the gradient is written in it)
     INTERLEAVED_OUT: tl.constexpr,  # k's rope layout (dk is read in it)
 ):  # fmt: skip
@@ -210,7 +210,7 @@ def _rope_kv_bwd_kernel(
     # so it never leaves one program: no atomics, bitwise deterministic.
     if i_h == 0:
         total = _sum_heads(
-            dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T, HEADS_P2, 2 * HALF
+            dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T, HEADS_PADDED, 2 * HALF
         )
         pos, is_padding = token_positions(
             o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
@@ -289,8 +289,11 @@ def choose_kv_backward_config(
     block_h = min(next_power_of_2(n_heads), max(1, 1024 // block_c))
     block_t = min(next_power_of_2(n_tokens), max(1, 1024 // (block_h * block_c)))
     block_t = min(block_t, max(1, _TILE_ELEMENTS // (16 * rope_dim)))
-    tile = block_t * block_h * block_c
-    num_warps = 4 if tile >= 4096 else 2 if tile >= 2048 else 1
+    # Enough warps for the larger of the copy tile and the head sum's 16-head chunk, at most
+    # 1024 elements a warp (32 a thread): one warp at DeepSeek-V3 shapes, more for R = 128 or
+    # many tokens per program, where one warp would spill.
+    work = max(block_t * block_h * block_c, block_t * 16 * rope_dim)
+    num_warps = min(8, next_power_of_2(max(1, work // 1024)))
     return KVLaunchConfig(block_t, block_h, block_c, num_warps)
 
 
@@ -375,7 +378,7 @@ def rope_kv_backward_launch(
         stride_dkv0=stride_dkv0, stride_dkv1=stride_dkv1, stride_dkvh=stride_dkvh,
         stride_table=cos.stride(0), cp_rank=positions.cp_rank, cp_size=positions.cp_size,
         HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
-        BLOCK_C=config.block_c, HEADS_P2=max(16, next_power_of_2(n_heads)),
+        BLOCK_C=config.block_c, HEADS_PADDED=16 * max(1, cdiv(n_heads, 16)),
         INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
         num_warps=config.num_warps, **position_args(positions, dk, (d0, d1)),
     )  # fmt: skip

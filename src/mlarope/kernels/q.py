@@ -176,7 +176,10 @@ def choose_q_config(
     tile_elements = _TILE_ELEMENTS // 2 if inplace and loaded_positions else _TILE_ELEMENTS
     block_h = min(next_power_of_2(n_heads), max(1, tile_elements // rope_dim))
     block_t = min(next_power_of_2(n_tokens), max(1, tile_elements // (block_h * rope_dim)))
-    block_n = min(next_power_of_2(max(n_nope, 16)), 128)
+    # The nope copy (out of place) in blocks of up to 128 channels, at most twice the tile.
+    block_n = min(
+        next_power_of_2(max(n_nope, 16)), 128, max(16, 2 * _TILE_ELEMENTS // (block_t * block_h))
+    )
     tile = block_t * block_h * rope_dim
     num_warps = 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
     if inplace:
