@@ -2,10 +2,11 @@
 
     PYTHONPATH=src python3 scripts/host_profile.py
 
-Prints the wall-clock per call of the public API and of the launchers alone (checks and
-allocations skipped; what remains is our argument plumbing plus Triton's launch), for one
-decode token at DeepSeek-V3 shapes, with a one-element torch op as the floor, then cProfile's
-top entries for the query op in place and the key/value op.
+Prints the wall-clock per call, in a loop with one sync at the end, of: the public API for one
+decode token at DeepSeek-V3 shapes; the launchers alone (checks and allocations skipped); the
+pieces of a call (checks, an allocation, the direct launcher's cache key); the host floor (a
+one-element torch op, an empty Triton kernel through Triton and through our launcher); then
+cProfile's top entries for two public calls.
 """
 
 from __future__ import annotations
@@ -15,15 +16,25 @@ import pstats
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 import mlarope
+from mlarope import _checks
 from mlarope._checks import Positions
+from mlarope.kernels import q as q_kernels
+from mlarope.kernels._launch import DirectLauncher
 from mlarope.kernels.kv import rope_kv_launch
 from mlarope.kernels.q import rope_q_launch
 
 
-def per_call_us(fn, calls: int = 2000) -> float:
-    for _ in range(100):
+@triton.jit
+def _empty(x_ptr, BLOCK: tl.constexpr):
+    pass
+
+
+def per_call_us(fn, calls: int = 3000) -> float:
+    for _ in range(200):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -44,6 +55,20 @@ def main() -> None:
     ids = torch.randint(0, 4096, (1,), device=dev)
     pos = Positions("thd", None, ids, 0, 1)
     flags = dict(interleaved_in=True, interleaved_out=False)
+    x = torch.zeros(1, device=dev)
+    empty_direct = DirectLauncher(_empty)
+    rope_q_launch(q, q, cos, sin, pos, inverse=False, transpose=False, **flags)
+    q_key_args = None
+
+    def capture(grid, num_warps, *args):  # the q launch's arguments, for timing the key
+        nonlocal q_key_args
+        q_key_args = (num_warps, *args)
+
+    real, q_kernels._launch_q = q_kernels._launch_q, capture
+    rope_q_launch(q, q, cos, sin, pos, inverse=False, transpose=False, **flags)
+    q_kernels._launch_q = real
+    key = real._key
+    backend = real._backend
     calls = {
         "apply_rope_q inplace": lambda: mlarope.apply_rope_q(
             q, cos, sin, layout="thd", position_ids=ids, inplace=True
@@ -61,10 +86,22 @@ def main() -> None:
         "rope_kv_launch (no checks)": lambda: rope_kv_launch(
             kv, k_pe, k, v, cos, sin, pos, k_dim=128, **flags
         ),
-        "torch.add_ (floor)": lambda: q.add_(0),
+        "check_q_call": lambda: _checks.check_q_call(
+            q, cos, sin, "thd", None, ids, 0, 1, True, False, False
+        ),
+        "check_kv_call": lambda: _checks.check_kv_call(
+            kv, k_pe, cos, sin, 128, "thd", None, ids, 0, 1, True, False
+        ),
+        "q launch key (direct launcher)": lambda: key(backend, 0, *q_key_args),
+        "torch.empty [1, 128, 192]": lambda: torch.empty(
+            (1, 128, 192), dtype=torch.bfloat16, device=dev
+        ),
+        "torch.Tensor.add_ (floor)": lambda: x.add_(0),
+        "empty Triton kernel, Triton path": lambda: _empty[(1,)](x, 16),
+        "empty Triton kernel, direct": lambda: empty_direct((1,), 4, x, 16),
     }
     for name, fn in calls.items():
-        print(f"{name:32s} {per_call_us(fn):7.1f} us", flush=True)
+        print(f"{name:34s} {per_call_us(fn):7.2f} us", flush=True)
     for name in ("apply_rope_q inplace", "apply_rope_kv"):
         profile = cProfile.Profile()
         profile.enable()

@@ -73,9 +73,8 @@ def kernel_positions(cu: torch.Tensor, n_tokens: int, cp_rank: int, cp_size: int
         cp_size=cp_size,
     )  # fmt: skip
     _checks.check_positions_on_device(positions, n_tokens, TABLE_ROWS)  # a valid call
-    args = position_args(positions, x, (n_tokens, 1))
-    assert args["POS_MODE"] == CU_SEQLENS and args["n_seqs"] == cu.shape[0] - 1
-    found = args["ids_ptr"]
+    pos_mode, (found, _, _, n_seqs, _, _) = position_args(positions, x, (n_tokens, 1))
+    assert pos_mode == CU_SEQLENS and n_seqs == cu.shape[0] - 1
     assert found.dtype == torch.int64 and found.shape == (n_tokens,)
     assert found.device == x.device
     return positions, found

@@ -233,7 +233,22 @@ def check_inplace_target(name: str, x: torch.Tensor) -> None:
 
 def validation_requested(validate: object) -> bool:
     check_bool("validate", validate)
-    return validate or os.environ.get("MLAROPE_VALIDATE", "0") not in ("", "0")
+    return validate or env_validation()
+
+
+# os.environ's own bytes mapping (CPython on POSIX): os.environ.get costs about 1.2 us when the
+# variable is unset (a KeyError inside), a tenth of a decode call's budget; this is a dict
+# lookup. os.environ updates it on every change, so monkeypatched values are seen.
+_ENVIRON_BYTES = getattr(os.environ, "_data", None)
+_VALIDATE_KEY = b"MLAROPE_VALIDATE"
+
+
+def env_validation() -> bool:
+    """Whether ``MLAROPE_VALIDATE`` is set to something other than ``""`` or ``"0"``."""
+    if isinstance(_ENVIRON_BYTES, dict) and os.name == "posix":
+        value = _ENVIRON_BYTES.get(_VALIDATE_KEY)
+        return value is not None and value not in (b"", b"0")
+    return os.environ.get("MLAROPE_VALIDATE", "0") not in ("", "0")
 
 
 def check_positions_on_device(positions: Positions, n_tokens: int, table_rows: int) -> None:

@@ -101,7 +101,7 @@ def deepseek_v3_reports() -> list[KernelReport]:
     from .kernels.q import _rope_q_kernel, choose_q_config
 
     # ids_ptr: the int64 positions the cu_seqlens search kernel writes (thd rows).
-    tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "cu_ptr": "*i32", "ids_ptr": "*i64"}
+    tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "ids_ptr": "*i64"}
     reports = []
     q_ptrs = {"x_ptr": "*bf16", "out_ptr": "*bf16", **tables}
     for mode, label in ((0, "sbhd"), (2, "thd cu_seqlens")):

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import DirectLauncher
+
 # Position sources (constexpr POS_MODE).
 SEQ_DIM0 = 0  # sbhd, or thd without cu_seqlens: position = index along token dim 0
 SEQ_DIM1 = 1  # bshd: position = index along token dim 1
@@ -34,7 +36,6 @@ PADDING_POSITION = -(2**63)
 VARYING_INTS = [
     "n_tokens",
     "n_seqs",
-    "steps",
     "cp_rank",
     "cp_size",
     "n_rows",
@@ -58,12 +59,10 @@ def token_positions(
     i0,  # [BLOCK_T] int64 index along token dim 0
     i1,  # [BLOCK_T] int64 index along token dim 1 (0 for thd)
     t_mask,
-    cu_ptr,  # unused (kept for the kernels' argument lists)
     ids_ptr,  # position_ids (POSITION_IDS), or the precomputed [T] positions (CU_SEQLENS)
     stride_id0,
     stride_id1,
     n_seqs,  # the local sequence length (SEQ_DIM0 / SEQ_DIM1)
-    search_steps,  # unused
     cp_rank,
     cp_size,
     POS_MODE: tl.constexpr,
@@ -200,35 +199,34 @@ def next_power_of_2(n: int) -> int:
 _SEARCH_BLOCK = 256  # tokens per program of the position kernel ([256, 16] int64 per step)
 
 
-def position_args(positions, x: torch.Tensor, token_shape: tuple[int, ...]) -> dict:
-    """Kernel arguments describing where positions come from (see ``token_positions``).
+_positions_launcher = DirectLauncher(_cu_seqlens_positions_kernel)
+
+
+def position_args(
+    positions, x: torch.Tensor, token_shape: tuple[int, int]
+) -> tuple[int, tuple[object, ...]]:
+    """``(POS_MODE, (ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size))``: where the
+    kernels' positions come from (see ``token_positions``), as the kernels' consecutive
+    position arguments.
 
     With ``cu_seqlens`` this launches ``_cu_seqlens_positions_kernel`` first (on ``x``'s device
     and stream; no host sync) and hands the kernels its ``[T]`` output.
     """
+    cp_rank, cp_size = positions.cp_rank, positions.cp_size
     if positions.position_ids is not None:
         ids = positions.position_ids
         strides = ids.stride() if ids.dim() == 2 else (ids.stride(0), 0)
-        return dict(
-            cu_ptr=ids, ids_ptr=ids, stride_id0=strides[0], stride_id1=strides[1],
-            n_seqs=0, steps=0, POS_MODE=POSITION_IDS,
-        )  # fmt: skip
+        return POSITION_IDS, (ids, strides[0], strides[1], 0, cp_rank, cp_size)
     if positions.cu_seqlens is not None:
         cu = positions.cu_seqlens
         n_seqs = cu.shape[0] - 1
         n_tokens = token_shape[0] * token_shape[1]
         found = torch.empty(n_tokens, dtype=torch.int64, device=x.device)
-        _cu_seqlens_positions_kernel[(-(-n_tokens // _SEARCH_BLOCK),)](
-            cu, found, n_tokens, n_seqs, search_steps(n_seqs), positions.cp_rank,
-            positions.cp_size, BLOCK=_SEARCH_BLOCK, num_warps=4,
+        _positions_launcher(
+            (-(-n_tokens // _SEARCH_BLOCK),), 4,
+            cu, found, n_tokens, n_seqs, search_steps(n_seqs), cp_rank, cp_size, _SEARCH_BLOCK,
         )  # fmt: skip
-        return dict(
-            cu_ptr=cu, ids_ptr=found, stride_id0=0, stride_id1=0, n_seqs=n_seqs, steps=0,
-            POS_MODE=CU_SEQLENS,
-        )  # fmt: skip
-    bshd = positions.layout == "bshd"
-    return dict(
-        cu_ptr=x, ids_ptr=x, stride_id0=0, stride_id1=0,
-        n_seqs=token_shape[1] if bshd else token_shape[0], steps=0,
-        POS_MODE=SEQ_DIM1 if bshd else SEQ_DIM0,
-    )  # fmt: skip
+        return CU_SEQLENS, (found, 0, 0, n_seqs, cp_rank, cp_size)
+    if positions.layout == "bshd":
+        return SEQ_DIM1, (x, 0, 0, token_shape[1], cp_rank, cp_size)
+    return SEQ_DIM0, (x, 0, 0, token_shape[0], cp_rank, cp_size)

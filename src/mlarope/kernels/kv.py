@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .._checks import Positions
+from ._launch import DirectLauncher
 from ._lookup import (
     VARYING_INTS,
     load_table_halves,
@@ -47,13 +48,14 @@ def _rope_kv_fwd_kernel(
     kpe_ptr,  # [D0, D1, R]
     k_ptr,  # [D0, D1, H, K + R]
     v_ptr,  # [D0, D1, H, V] (COPY_V)
-    cos_ptr, sin_ptr, cu_ptr, ids_ptr,
+    cos_ptr, sin_ptr,
     n_tokens, D1, n_heads, k_dim, v_dim, n_rows,
     stride_kv0, stride_kv1, stride_kvh,
     stride_pe0, stride_pe1,
     stride_k0, stride_k1, stride_kh,
     stride_v0, stride_v1, stride_vh,
-    stride_table, stride_id0, stride_id1, n_seqs, steps, cp_rank, cp_size,
+    stride_table,
+    ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size,  # _lookup.position_args
     POS_MODE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -72,8 +74,7 @@ def _rope_kv_fwd_kernel(
     i0 = o_t // D1
     i1 = o_t % D1
     pos, is_padding = token_positions(
-        o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
-        cp_rank, cp_size, POS_MODE,
+        o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size, POS_MODE,
     )  # fmt: skip
     in_range = (pos >= 0) & (pos < n_rows)
     j = tl.arange(0, HALF)
@@ -164,12 +165,13 @@ def _rope_kv_bwd_kernel(
     dv_ptr,  # [D0, D1, H, V]
     dkv_ptr,  # [D0, D1, H, K + V]
     dpe_ptr,  # [D0, D1, R] (contiguous)
-    cos_ptr, sin_ptr, cu_ptr, ids_ptr,
+    cos_ptr, sin_ptr,
     n_tokens, D1, n_heads, k_dim, v_dim, n_rows,
     stride_dk0, stride_dk1, stride_dkh,
     stride_dv0, stride_dv1, stride_dvh,
     stride_dkv0, stride_dkv1, stride_dkvh,
-    stride_table, stride_id0, stride_id1, n_seqs, steps, cp_rank, cp_size,
+    stride_table,
+    ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size,  # _lookup.position_args
     POS_MODE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -213,8 +215,8 @@ def _rope_kv_bwd_kernel(
             dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T, HEADS_PADDED, 2 * HALF
         )
         pos, is_padding = token_positions(
-            o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
-            cp_rank, cp_size, POS_MODE,
+            o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size,
+            POS_MODE,
         )  # fmt: skip
         in_range = (pos >= 0) & (pos < n_rows)
         j = tl.arange(0, HALF)
@@ -327,18 +329,19 @@ def rope_kv_launch(
     else:
         _, _, _, _, stride_v0, stride_v1, stride_vh = geometry(v)
     grid = (cdiv(n_tokens, config.block_t), cdiv(n_heads, config.block_h))
-    _rope_kv_fwd_kernel[grid](
+    pos_mode, pos_args = position_args(positions, kv, (d0, d1))
+    _launch_kv_fwd(
+        grid, config.num_warps,
         kv, k_pe, k, v, cos, sin,
-        n_tokens=n_tokens, D1=d1, n_heads=n_heads, k_dim=k_dim, v_dim=v_dim, n_rows=cos.shape[0],
-        stride_kv0=stride_kv0, stride_kv1=stride_kv1, stride_kvh=stride_kvh,
-        stride_pe0=stride_pe0, stride_pe1=stride_pe1,
-        stride_k0=stride_k0, stride_k1=stride_k1, stride_kh=stride_kh,
-        stride_v0=stride_v0, stride_v1=stride_v1, stride_vh=stride_vh,
-        stride_table=cos.stride(0), cp_rank=positions.cp_rank, cp_size=positions.cp_size,
-        HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
-        BLOCK_C=config.block_c, INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
-        COPY_V=v is not k, num_warps=config.num_warps,
-        **position_args(positions, kv, (d0, d1)),
+        n_tokens, d1, n_heads, k_dim, v_dim, cos.shape[0],
+        stride_kv0, stride_kv1, stride_kvh,
+        stride_pe0, stride_pe1,
+        stride_k0, stride_k1, stride_kh,
+        stride_v0, stride_v1, stride_vh,
+        cos.stride(0),
+        *pos_args,
+        pos_mode, rope_dim // 2, config.block_t, config.block_h, config.block_c,
+        interleaved_in, interleaved_out, v is not k,
     )  # fmt: skip
 
 
@@ -370,15 +373,20 @@ def rope_kv_backward_launch(
         return
     config = config or choose_kv_backward_config(n_tokens, n_heads, max(k_dim, v_dim), rope_dim)
     grid = (cdiv(n_tokens, config.block_t), cdiv(n_heads, config.block_h))
-    _rope_kv_bwd_kernel[grid](
+    pos_mode, pos_args = position_args(positions, dk, (d0, d1))
+    _launch_kv_bwd(
+        grid, config.num_warps,
         dk, dv, dkv, dk_pe, cos, sin,
-        n_tokens=n_tokens, D1=d1, n_heads=n_heads, k_dim=k_dim, v_dim=v_dim, n_rows=cos.shape[0],
-        stride_dk0=stride_dk0, stride_dk1=stride_dk1, stride_dkh=stride_dkh,
-        stride_dv0=stride_dv0, stride_dv1=stride_dv1, stride_dvh=stride_dvh,
-        stride_dkv0=stride_dkv0, stride_dkv1=stride_dkv1, stride_dkvh=stride_dkvh,
-        stride_table=cos.stride(0), cp_rank=positions.cp_rank, cp_size=positions.cp_size,
-        HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
-        BLOCK_C=config.block_c, HEADS_PADDED=16 * max(1, cdiv(n_heads, 16)),
-        INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
-        num_warps=config.num_warps, **position_args(positions, dk, (d0, d1)),
+        n_tokens, d1, n_heads, k_dim, v_dim, cos.shape[0],
+        stride_dk0, stride_dk1, stride_dkh,
+        stride_dv0, stride_dv1, stride_dvh,
+        stride_dkv0, stride_dkv1, stride_dkvh,
+        cos.stride(0),
+        *pos_args,
+        pos_mode, rope_dim // 2, config.block_t, config.block_h, config.block_c,
+        16 * max(1, cdiv(n_heads, 16)), interleaved_in, interleaved_out,
     )  # fmt: skip
+
+
+_launch_kv_fwd = DirectLauncher(_rope_kv_fwd_kernel)
+_launch_kv_bwd = DirectLauncher(_rope_kv_bwd_kernel)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .._checks import Positions
+from ._launch import DirectLauncher
 from ._lookup import (
     VARYING_INTS,
     load_table_halves,
@@ -47,8 +48,6 @@ def _rope_q_kernel(
     out_ptr,  # output, same shape; the same memory as x_ptr when IN_PLACE
     cos_ptr,  # [P, R]
     sin_ptr,  # [P, R]
-    cu_ptr,  # cu_seqlens [n + 1] (unused: see _lookup.position_args)
-    ids_ptr,  # position_ids [D0, D1] with strides, or [T] precomputed positions (thd cu_seqlens)
     n_tokens,
     D1,
     n_heads,
@@ -57,9 +56,10 @@ def _rope_q_kernel(
     stride_x0, stride_x1, stride_xh,
     stride_o0, stride_o1, stride_oh,
     stride_table,
+    # where positions come from (_lookup.position_args)
+    ids_ptr,  # position_ids [D0, D1] with strides, or [T] precomputed positions (thd cu_seqlens)
     stride_id0, stride_id1,
     n_seqs,
-    steps,
     cp_rank,
     cp_size,
     POS_MODE: tl.constexpr,
@@ -92,8 +92,7 @@ def _rope_q_kernel(
     m_pair = m_row & (jj < HALF)
 
     pos, is_padding = token_positions(
-        o_t, i0, i1, m_t, cu_ptr, ids_ptr, stride_id0, stride_id1, n_seqs, steps,
-        cp_rank, cp_size, POS_MODE,
+        o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size, POS_MODE,
     )  # fmt: skip
     # Load order, measured on the H200 (docs/perf_log.md, v6): where positions are loaded
     # (thd, position_ids) the tile's loads go out first, while the position is in flight;
@@ -232,17 +231,18 @@ def rope_q_launch(
         n_tokens, n_heads, n_nope, rope_dim, inplace, loaded_positions
     )
     grid = (cdiv(n_tokens, config.block_t), cdiv(n_heads, config.block_h))
-    _rope_q_kernel[grid](
+    pos_mode, pos_args = position_args(positions, x, (d0, d1))
+    _launch_q(
+        grid, config.num_warps,
         x, out, cos, sin,
-        n_tokens=n_tokens, D1=d1, n_heads=n_heads, n_nope=n_nope, n_rows=cos.shape[0],
-        stride_x0=stride_x0, stride_x1=stride_x1, stride_xh=stride_xh,
-        stride_o0=stride_o0, stride_o1=stride_o1, stride_oh=stride_oh,
-        stride_table=cos.stride(0),
-        cp_rank=positions.cp_rank, cp_size=positions.cp_size,
-        HALF=rope_dim // 2, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n, INTERLEAVED_IN=interleaved_in, INTERLEAVED_OUT=interleaved_out,
-        INVERSE=inverse, TRANSPOSE=transpose,
-        IN_PLACE=inplace,
-        num_warps=config.num_warps,
-        **position_args(positions, x, (d0, d1)),
+        n_tokens, d1, n_heads, n_nope, cos.shape[0],
+        stride_x0, stride_x1, stride_xh,
+        stride_o0, stride_o1, stride_oh,
+        cos.stride(0),
+        *pos_args,
+        pos_mode, rope_dim // 2, config.block_t, config.block_h, config.block_n,
+        interleaved_in, interleaved_out, inverse, transpose, inplace,
     )  # fmt: skip
+
+
+_launch_q = DirectLauncher(_rope_q_kernel)

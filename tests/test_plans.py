@@ -1,0 +1,201 @@
+"""Launch plans for repeated eager calls (``mlarope._plans``).
+
+A plan must never change what a call does: same outputs as the full pipeline, the same errors
+for bad arguments, new tensors (not the recorded ones) in every launch. These run in both lanes
+(under the interpreter the recorded launch is replayed through Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mlarope
+from mlarope import _plans, reference
+
+T, H, N, R, P = 6, 3, 16, 32, 64
+K, V = 16, 8
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    _plans.plans.clear()
+    yield
+    _plans.plans.clear()
+
+
+def tables(device, rows=P):
+    cos, sin = mlarope.YarnConfig(dim=R).cos_sin(rows, device=device)
+    return cos, sin
+
+
+def q_truth(q, cos, sin, **kw):
+    return reference.apply_rope_q(q.double(), cos.double(), sin.double(), **kw)
+
+
+def assert_rotated(out, truth):
+    # fp32 inputs and tables: one fp32 rounding of a two-term sum (DESIGN.md error model).
+    torch.testing.assert_close(out.double(), truth, rtol=1e-6, atol=1e-6)
+
+
+class PipelineCalls:
+    """Counts eager calls that run the pipeline's implementations rather than a plan."""
+
+    def __init__(self, monkeypatch):
+        self.q = self.kv = 0
+        for name, op in (
+            ("rope_q_impl", "q"),
+            ("rope_q_inplace_impl", "q"),
+            ("rope_kv_impl", "kv"),
+        ):
+            real = getattr(mlarope, name)
+
+            def counted(*a, _real=real, _op=op, **k):
+                setattr(self, _op, getattr(self, _op) + 1)
+                return _real(*a, **k)
+
+            monkeypatch.setattr(mlarope, name, counted)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_q_plan_uses_the_new_tensors(inplace, device, monkeypatch):
+    calls = PipelineCalls(monkeypatch)
+    cos, sin = tables(device)
+    ids = torch.randint(0, P, (T,), device=device)
+    outs = []
+    for i in range(3):
+        q = torch.randn(T, H, N + R, device=device)
+        truth = q_truth(q, cos, sin, layout="thd", position_ids=ids)
+        version = q._version
+        out = mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids, inplace=inplace)
+        assert (out is q) == inplace
+        if inplace:
+            assert q._version > version, f"call {i}: in place must bump the version counter"
+        assert_rotated(out, truth)
+        outs.append(out)
+    assert calls.q == 1, "the second and third calls must take the plan"
+    assert [type(p).__name__ for p in _plans.plans.values()] == ["Plan"]
+    assert outs[1].data_ptr() != outs[2].data_ptr()
+
+
+@pytest.mark.parametrize("copy_v", [True, False])
+def test_kv_plan_uses_the_new_tensors(copy_v, device, monkeypatch):
+    """k_pe as ``[T, 1, R]`` (the pipeline squeezes it) and tables as ``[P, 1, R]`` views: the
+    plan fills those launch slots with the new call's tensors."""
+    calls = PipelineCalls(monkeypatch)
+    for i in range(3):
+        cos, sin = (t.view(P, 1, R) for t in tables(device))
+        cos, sin = cos * (1 + i), sin * (1 + i)  # new tables, other values, every call
+        kv = torch.randn(T, H, K + V, device=device)
+        k_pe = torch.randn(T, 1, R, device=device)
+        ids = torch.randint(0, P, (T,), device=device)
+        k, v = mlarope.apply_rope_kv(
+            kv, k_pe, cos, sin, k_dim=K, layout="thd", position_ids=ids, copy_v=copy_v
+        )
+        k_ref, v_ref = reference.apply_rope_kv(
+            kv.double(), k_pe.double(), cos.double(), sin.double(), k_dim=K, layout="thd",
+            position_ids=ids,
+        )  # fmt: skip
+        assert_rotated(k, k_ref)
+        assert torch.equal(v.double(), v_ref)
+        assert v.is_contiguous() == copy_v
+        if not copy_v:
+            assert v.data_ptr() == kv[..., K:].data_ptr()
+    assert calls.kv == 1
+
+
+def test_plan_never_skips_a_check(device):
+    """After a plan exists, arguments the checks reject still raise: the key holds each flag's
+    and integer's type, and every tensor's metadata."""
+    cos, sin = tables(device)
+    q = torch.randn(T, H, N + R, device=device)
+    ids = torch.randint(0, P, (T,), device=device)
+    kw = dict(layout="thd", position_ids=ids)
+    mlarope.apply_rope_q(q, cos, sin, **kw)
+    mlarope.apply_rope_q(q, cos, sin, **kw)
+    with pytest.raises(TypeError, match="interleaved must be a bool"):
+        mlarope.apply_rope_q(q, cos, sin, interleaved=1, **kw)
+    with pytest.raises(TypeError, match="inplace must be a bool"):
+        mlarope.apply_rope_q(q, cos, sin, inplace=0, **kw)
+    with pytest.raises(TypeError, match="cp_rank must be an int"):
+        mlarope.apply_rope_q(q, cos, sin, cp_rank=False, **kw)
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        mlarope.apply_rope_q(q, cos, sin, validate=0, **kw)
+    with pytest.raises(ValueError, match="rope dim"):
+        mlarope.apply_rope_q(q, cos[:, :16], sin[:, :16], **kw)
+    with pytest.raises(ValueError, match="position_ids must match"):
+        mlarope.apply_rope_q(q[:4], cos, sin, **kw)
+    k_pe = torch.randn(T, 1, R, device=device)
+    kv = torch.randn(T, H, K + V, device=device)
+    mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=K, **kw)
+    mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=K, **kw)
+    with pytest.raises(TypeError, match="k_dim must be an int"):
+        mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=float(K), **kw)
+    with pytest.raises(TypeError, match="copy_v must be a bool"):
+        mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=K, copy_v=1, **kw)
+    with pytest.raises(TypeError, match="k_pe and kv must share a dtype"):
+        mlarope.apply_rope_kv(kv, k_pe.half(), cos, sin, k_dim=K, **kw)
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_validation_takes_the_pipeline(how, device, monkeypatch):
+    """Validation needs the device data: with it on, a call never takes a plan."""
+    cos, sin = tables(device)
+    q = torch.randn(T, H, N + R, device=device)
+    good = torch.randint(0, P, (T,), device=device)
+    mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=good)
+    mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=good)
+    bad = good.clone()
+    bad[2] = P
+    kw = dict(layout="thd", position_ids=bad)
+    if how == "environment":
+        monkeypatch.setenv("MLAROPE_VALIDATE", "1")
+    else:
+        kw["validate"] = True
+    with pytest.raises(ValueError, match="outside the table"):
+        mlarope.apply_rope_q(q, cos, sin, **kw)
+
+
+def test_aliased_tables(device):
+    """Recorded with ``cos`` and ``sin`` distinct, called with one tensor for both: the launch
+    gets what the pipeline would give it. Recorded with one tensor for both, the slots cannot
+    be told apart, so that call signature gets no plan."""
+    cos, sin = tables(device)
+    ids = torch.randint(0, P, (T,), device=device)
+    kw = dict(layout="thd", position_ids=ids)
+    for first, second in (((cos, sin), (cos, cos)), ((sin, sin), (cos, sin))):
+        _plans.plans.clear()
+        q = torch.randn(T, H, N + R, device=device)
+        mlarope.apply_rope_q(q, *first, **kw)
+        assert_rotated(mlarope.apply_rope_q(q, *second, **kw), q_truth(q, *second, **kw))
+        assert_rotated(mlarope.apply_rope_q(q, *second, **kw), q_truth(q, *second, **kw))
+        has_plan = list(_plans.plans.values()) != [None]
+        assert has_plan == (first[0] is not first[1])
+
+
+def test_misaligned_views_get_their_own_plan(device):
+    """The address modulo 16 is in the key (Triton specializes on 16-byte alignment)."""
+    cos, sin = tables(device)
+    ids = torch.randint(0, P, (T,), device=device)
+    buf = torch.randn(T * H * (N + R) + 1, device=device)
+    for offset in (0, 1, 0, 1):
+        q = buf[offset : offset + T * H * (N + R)].view(T, H, N + R)
+        out = mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids)
+        assert_rotated(out, q_truth(q, cos, sin, layout="thd", position_ids=ids))
+    assert len(_plans.plans) == 2
+
+
+def test_no_plan_where_the_pipeline_does_more(device, monkeypatch):
+    """cu_seqlens (two launches), autograd, float64 (no launch), tensor subclasses."""
+    calls = PipelineCalls(monkeypatch)
+    cos, sin = tables(device)
+    q = torch.randn(T, H, N + R, device=device)
+    cu = torch.tensor([0, 2, T], device=device, dtype=torch.int32)
+    for _ in range(2):
+        mlarope.apply_rope_q(q, cos, sin, layout="thd", cu_seqlens=cu)
+        mlarope.apply_rope_q(q.requires_grad_(), cos, sin, layout="thd").sum().backward()
+        q.requires_grad_(False)
+        mlarope.apply_rope_q(q.double(), cos, sin, layout="thd")
+        mlarope.apply_rope_q(q, torch.nn.Parameter(cos), sin, layout="thd")
+    assert calls.q == 6, "every eager call runs the pipeline (autograd runs the Function)"
+    assert list(_plans.plans.values()) == [None], "float64 is the only eligible call: no plan"
