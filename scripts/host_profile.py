@@ -3,8 +3,9 @@
     PYTHONPATH=src python3 scripts/host_profile.py
 
 Prints the wall-clock per call, in a loop with one sync at the end, of: the public API for one
-decode token at DeepSeek-V3 shapes; the launchers alone (checks and allocations skipped); the
-pieces of a call (checks, an allocation, the direct launcher's cache key); the host floor (a
+decode token at DeepSeek-V3 shapes (repeated calls: the launch-plan path, mlarope._plans); the
+launchers alone (the pipeline without checks and allocations); the pieces of a call (checks,
+an allocation, the direct launcher's key, the plan key, a plan's launch); the host floor (a
 one-element torch op, an empty Triton kernel through Triton and through our launcher); then
 cProfile's top entries for two public calls.
 """
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 import mlarope
-from mlarope import _checks
+from mlarope import _checks, _plans
 from mlarope._checks import Positions
 from mlarope.kernels import q as q_kernels
 from mlarope.kernels._launch import DirectLauncher
@@ -69,6 +70,10 @@ def main() -> None:
     q_kernels._launch_q = real
     key = real._key
     backend = real._backend
+    mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids, inplace=True)
+    q_plan = _plans.plans[
+        _plans.query_key(q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False)
+    ]
     calls = {
         "apply_rope_q inplace": lambda: mlarope.apply_rope_q(
             q, cos, sin, layout="thd", position_ids=ids, inplace=True
@@ -93,6 +98,10 @@ def main() -> None:
             kv, k_pe, cos, sin, 128, "thd", None, ids, 0, 1, True, False
         ),
         "q launch key (direct launcher)": lambda: key(backend, 0, *q_key_args),
+        "q plan key (_plans.query_key)": lambda: _plans.query_key(
+            q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False
+        ),
+        "q plan, in place (launch only)": lambda: q_plan((q, cos, sin, ids)),
         "torch.empty [1, 128, 192]": lambda: torch.empty(
             (1, 128, 192), dtype=torch.bfloat16, device=dev
         ),

@@ -108,7 +108,7 @@ def test_direct_launch_misaligned_views(device):
     """A view whose pointer is not 16-byte aligned needs a kernel compiled without the
     alignment assumption: its key differs, so it never reuses the aligned kernel."""
     cos, sin = mlarope.YarnConfig.deepseek_v3().cos_sin(4096, device=device)
-    buf = torch.randn(8 * 16 * 192 + 1, device=device, dtype=torch.bfloat16)
+    buf = torch.randn(8 * 16 * 192 + 8, device=device, dtype=torch.bfloat16)
     ids = torch.randint(0, 4096, (8,), device=device)
     for offset in (0, 1, 0, 1, 8, 0):
         q = buf[offset : offset + 8 * 16 * 192].view(8, 16, 192)

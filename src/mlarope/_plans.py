@@ -65,33 +65,30 @@ def _meta(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
 
-def _plain_eager(validate: object) -> bool:
-    """Only plain eager calls get plans: no compile tracing, no validation."""
-    return validate is False and not torch.compiler.is_compiling() and not env_validation()
-
-
-def _is_bool(flag: object) -> bool:
-    return flag is True or flag is False  # 1 and 0 must still reach the checks' TypeError
-
-
 def query_key(
     q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
     interleaved_out, inverse, inplace, validate,
 ) -> tuple | None:  # fmt: skip
-    """The plan key of an ``apply_rope_q`` call, or None if it cannot have a plan."""
+    """The plan key of an ``apply_rope_q`` call, or None if it cannot have a plan: only plain
+    eager calls get one (no validation, no autograd, no compile tracing; plain tensors; flags
+    that are bools and integers that are ints, so 1 never stands in for True)."""
     tensor = torch.Tensor
     if (
         cu_seqlens is not None
+        or torch.compiler.is_compiling()  # first: nothing below is traced by Dynamo
         or q.__class__ is not tensor
         or cos.__class__ is not tensor
         or sin.__class__ is not tensor
         or not (position_ids is None or position_ids.__class__ is tensor)
-        or not _plain_eager(validate)
-        or (q.requires_grad and torch.is_grad_enabled())
+        or validate is not False
         or cp_rank.__class__ is not int
         or cp_size.__class__ is not int
-        or not (_is_bool(interleaved) and _is_bool(interleaved_out))
-        or not (_is_bool(inverse) and _is_bool(inplace))
+        or (interleaved is not True and interleaved is not False)
+        or (interleaved_out is not True and interleaved_out is not False)
+        or (inverse is not True and inverse is not False)
+        or (inplace is not True and inplace is not False)
+        or (q.requires_grad and torch.is_grad_enabled())
+        or env_validation()
     ):
         return None
     ids = position_ids
@@ -113,17 +110,21 @@ def kv_key(
     tensor = torch.Tensor
     if (
         cu_seqlens is not None
+        or torch.compiler.is_compiling()
         or kv.__class__ is not tensor
         or k_pe.__class__ is not tensor
         or cos.__class__ is not tensor
         or sin.__class__ is not tensor
         or not (position_ids is None or position_ids.__class__ is tensor)
-        or not _plain_eager(validate)
-        or ((kv.requires_grad or k_pe.requires_grad) and torch.is_grad_enabled())
+        or validate is not False
         or k_dim.__class__ is not int
         or cp_rank.__class__ is not int
         or cp_size.__class__ is not int
-        or not (_is_bool(interleaved) and _is_bool(interleaved_out) and _is_bool(copy_v))
+        or (interleaved is not True and interleaved is not False)
+        or (interleaved_out is not True and interleaved_out is not False)
+        or (copy_v is not True and copy_v is not False)
+        or ((kv.requires_grad or k_pe.requires_grad) and torch.is_grad_enabled())
+        or env_validation()
     ):
         return None
     ids = position_ids

@@ -36,6 +36,7 @@ from triton._C.libtriton import native_specialize_impl
 
 _MAX_ENTRIES = 4096  # distinct keys kept per kernel before the cache starts over
 
+
 class _Recording(threading.local):
     # The launches of this thread while ``recording()`` is active (for mlarope._plans), each
     # with its arguments; None otherwise. Per thread, so that one thread's launch is never
@@ -58,30 +59,60 @@ def recording():
         _recording.launches = previous
 
 
+class _Kernel:
+    """A compiled kernel's launch entry. Where the kernel needs no scratch memory (ours do
+    not), Triton's C launcher is called without its Python wrapper (``CudaLauncher.__call__``,
+    which only allocates scratch memory and forwards); hooks are never passed (see
+    ``_plain_launch``)."""
+
+    __slots__ = ("compiled", "cooperative", "function", "metadata", "pdl", "raw")
+
+    def __init__(self, compiled) -> None:
+        launcher = compiled.run  # loads the kernel's module on first use
+        self.compiled = compiled
+        self.function = compiled.function
+        self.metadata = compiled.packed_metadata
+        scratch = getattr(launcher, "global_scratch_size", 1) or getattr(
+            launcher, "profile_scratch_size", 1
+        )
+        self.raw = None if scratch else getattr(launcher, "launch", None)
+        self.cooperative = getattr(launcher, "launch_cooperative_grid", False)
+        self.pdl = getattr(launcher, "launch_pdl", False)
+
+    def launch(self, g0: int, g1: int, g2: int, device: int, args) -> None:
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        raw = self.raw
+        if raw is None:
+            self.compiled.run(
+                g0, g1, g2, stream, self.function, self.metadata, None, None, None, *args
+            )
+        else:
+            raw(
+                g0, g1, g2, stream, self.function, self.cooperative, self.pdl, None, None,
+                self.metadata, None, None, None, *args,
+            )  # fmt: skip
+
+
 class Launch:
     """One kernel launch that can be made again with other arguments of the same
     specialization: ``launch(args)`` (tensors in the same slots, same dtypes and alignment)."""
 
-    __slots__ = ("compiled", "device", "grid", "launcher", "num_warps")
+    __slots__ = ("device", "grid", "kernel", "launcher", "num_warps")
 
-    def __init__(self, launcher: DirectLauncher, grid, num_warps: int, compiled, device: int):
+    def __init__(self, launcher: DirectLauncher, grid, num_warps: int, kernel, device: int):
         self.launcher = launcher
         self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         self.num_warps = num_warps
-        self.compiled = compiled  # None: launched through Triton (interpreter, hooks)
+        self.kernel = kernel  # a _Kernel; None: launched through Triton (interpreter, hooks)
         self.device = device
 
     def __call__(self, args) -> None:
-        compiled = self.compiled
-        if compiled is None or self.launcher.fn.pre_run_hooks or not _plain_launch():
+        kernel = self.kernel
+        if kernel is None or self.launcher.fn.pre_run_hooks or not _plain_launch():
             self.launcher.fn[self.grid](*args, num_warps=self.num_warps)
             return
         g0, g1, g2 = self.grid
-        stream = torch._C._cuda_getCurrentRawStream(self.device)
-        compiled.run(
-            g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
-            *args,
-        )  # fmt: skip
+        kernel.launch(g0, g1, g2, self.device, args)
 
 
 class DirectLauncher:
@@ -92,7 +123,7 @@ class DirectLauncher:
     def __init__(self, fn) -> None:
         self.fn = fn
         self._name = getattr(fn, "__name__", repr(fn))
-        self._compiled: dict[tuple, object] = {}
+        self._kernels: dict[tuple, _Kernel] = {}
         self._backend = None
         # Under TRITON_INTERPRET=1 ``fn`` is Triton's interpreter, which has no compiled
         # kernels: every call takes ``fn[grid](...)``.
@@ -114,25 +145,20 @@ class DirectLauncher:
             return
         device = torch._C._cuda_getDevice()
         backend = self._backend
-        compiled = None
+        kernel = None
         if backend is not None:
-            key = self._key(backend, device, num_warps, *args)
-            compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._launch_through_triton(device, grid, num_warps, args)
+            kernel = self._kernels.get(self._key(backend, device, num_warps, *args))
+        if kernel is None:
+            kernel = self._launch_through_triton(device, grid, num_warps, args)
         else:
             g1 = grid[1] if len(grid) > 1 else 1
             g2 = grid[2] if len(grid) > 2 else 1
-            stream = torch._C._cuda_getCurrentRawStream(device)
-            compiled.run(
-                grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None,
-                None, *args,
-            )  # fmt: skip
+            kernel.launch(grid[0], g1, g2, device, args)
         recorded = _recording.launches
         if recorded is not None:
-            recorded.append((Launch(self, grid, num_warps, compiled, device), args))
+            recorded.append((Launch(self, grid, num_warps, kernel, device), args))
 
-    def _launch_through_triton(self, device, grid, num_warps, args):
+    def _launch_through_triton(self, device, grid, num_warps, args) -> _Kernel:
         compiled = self.fn[grid](*args, num_warps=num_warps)
         if self._backend is None:
             # The backend object Triton's binder passes to native_specialize_impl.
@@ -140,10 +166,10 @@ class DirectLauncher:
         key = self._key(self._backend, device, num_warps, *args)
         if hasattr(compiled, "result"):  # asynchronous compilation returns a future
             compiled = compiled.result()
-        if len(self._compiled) >= _MAX_ENTRIES:
-            self._compiled.clear()
-        self._compiled[key] = compiled
-        return compiled
+        if len(self._kernels) >= _MAX_ENTRIES:
+            self._kernels.clear()
+        kernel = self._kernels[key] = _Kernel(compiled)
+        return kernel
 
 
 def _make_key_function(fn):
