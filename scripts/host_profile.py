@@ -71,9 +71,10 @@ def main() -> None:
     key = real._key
     backend = real._backend
     mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids, inplace=True)
-    q_plan = _plans.plans[
-        _plans.query_key(q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False)
-    ]
+    q_signature = _plans.query_signature(
+        q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False
+    )
+    q_plan = _plans.find(*q_signature)
     calls = {
         "apply_rope_q inplace": lambda: mlarope.apply_rope_q(
             q, cos, sin, layout="thd", position_ids=ids, inplace=True
@@ -98,9 +99,10 @@ def main() -> None:
             kv, k_pe, cos, sin, 128, "thd", None, ids, 0, 1, True, False
         ),
         "q launch key (direct launcher)": lambda: key(backend, 0, *q_key_args),
-        "q plan key (_plans.query_key)": lambda: _plans.query_key(
+        "q plan signature (query_signature)": lambda: _plans.query_signature(
             q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False
         ),
+        "q plan lookup (find: dict + guard)": lambda: _plans.find(*q_signature),
         "q plan, in place (launch only)": lambda: q_plan((q, cos, sin, ids)),
         "torch.empty [1, 128, 192]": lambda: torch.empty(
             (1, 128, 192), dtype=torch.bfloat16, device=dev

@@ -17,11 +17,18 @@ T, H, N, R, P = 6, 3, 16, 32, 64
 K, V = 16, 8
 
 
-@pytest.fixture(autouse=True)
-def _fresh_plans():
+@pytest.fixture(autouse=True, params=["TensorGuards", "python"])
+def _fresh_plans(request, monkeypatch):
+    """Every test runs with the C++ metadata guard and with the Python fallback."""
+    if request.param == "python":
+        monkeypatch.setattr(_plans, "_TensorGuards", None)
     _plans.plans.clear()
     yield
     _plans.plans.clear()
+
+
+def recorded_plans() -> list:
+    return [plan for entries in _plans.plans.values() for _, plan in entries]
 
 
 def tables(device, rows=P):
@@ -74,7 +81,7 @@ def test_q_plan_uses_the_new_tensors(inplace, device, monkeypatch):
         assert_rotated(out, truth)
         outs.append(out)
     assert calls.q == 1, "the second and third calls must take the plan"
-    assert [type(p).__name__ for p in _plans.plans.values()] == ["Plan"]
+    assert [type(p).__name__ for p in recorded_plans()] == ["Plan"]
     assert outs[1].data_ptr() != outs[2].data_ptr()
 
 
@@ -169,7 +176,7 @@ def test_aliased_tables(device):
         mlarope.apply_rope_q(q, *first, **kw)
         assert_rotated(mlarope.apply_rope_q(q, *second, **kw), q_truth(q, *second, **kw))
         assert_rotated(mlarope.apply_rope_q(q, *second, **kw), q_truth(q, *second, **kw))
-        has_plan = list(_plans.plans.values()) != [None]
+        has_plan = recorded_plans() != [None]
         assert has_plan == (first[0] is not first[1])
 
 
@@ -182,7 +189,7 @@ def test_misaligned_views_get_their_own_plan(device):
         q = buf[offset : offset + T * H * (N + R)].view(T, H, N + R)
         out = mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids)
         assert_rotated(out, q_truth(q, cos, sin, layout="thd", position_ids=ids))
-    assert len(_plans.plans) == 2
+    assert len(recorded_plans()) == 2
 
 
 def test_no_plan_where_the_pipeline_does_more(device, monkeypatch):
@@ -198,4 +205,25 @@ def test_no_plan_where_the_pipeline_does_more(device, monkeypatch):
         mlarope.apply_rope_q(q.double(), cos, sin, layout="thd")
         mlarope.apply_rope_q(q, torch.nn.Parameter(cos), sin, layout="thd")
     assert calls.q == 6, "every eager call runs the pipeline (autograd runs the Function)"
-    assert list(_plans.plans.values()) == [None], "float64 is the only eligible call: no plan"
+    assert recorded_plans() == [None], "float64 is the only eligible call: no plan"
+
+
+def test_guard_tells_metadata_apart(device, monkeypatch):
+    """Calls with the same dict key (first tensor's shape, alignment, flags) but other table
+    dtypes or strides: the guard sends them down the pipeline, which records their own plans."""
+    calls = PipelineCalls(monkeypatch)
+    cos, sin = tables(device)
+    wide_cos, wide_sin = (torch.cat([t, t], dim=1) for t in tables(device))
+    ids = torch.randint(0, P, (T,), device=device)
+    kw = dict(layout="thd", position_ids=ids)
+    variants = [
+        (cos, sin),
+        (cos.half(), sin.half()),
+        (wide_cos[:, :R], wide_sin[:, :R]),  # [P, R] with row stride 2R
+        (cos, sin),
+    ]
+    for c, s in variants + variants:
+        q = torch.randn(T, H, N + R, device=device)
+        assert_rotated(mlarope.apply_rope_q(q, c, s, **kw), q_truth(q, c, s, **kw))
+    assert calls.q == 3, "three distinct metadata, each through the pipeline once"
+    assert len(_plans.plans) == 1 and len(recorded_plans()) == 3

@@ -67,13 +67,13 @@ def apply_rope_q(
     Returns:
         ``[..., H, N + R]``: a new tensor, or ``q`` itself when ``inplace``.
     """
-    key = _plans.query_key(
+    signature = _plans.query_signature(
         q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
         interleaved_out, inverse, inplace, validate,
     )  # fmt: skip
-    plan = _plans.MISSING if key is None else _plans.plans.get(key, _plans.MISSING)
+    plan = _plans.MISSING if signature is None else _plans.find(*signature)
     if plan is not None and plan is not _plans.MISSING:  # a repeated eager call (_plans)
-        outputs = plan((q, cos, sin) if position_ids is None else (q, cos, sin, position_ids))
+        outputs = plan(signature[1])
         if inplace:
             torch.autograd.graph.increment_version(q)
             return q
@@ -100,15 +100,14 @@ def apply_rope_q(
         return q.copy_(RopeQFunction.apply(q, *args, False))
     if _needs_autograd(q) or torch.compiler.is_compiling():
         return RopeQFunction.apply(q, *args, inplace)
-    with _recording(key if plan is _plans.MISSING else None) as launches:
+    with _recording(signature if plan is _plans.MISSING else None) as launches:
         if inplace:
             rope_q_inplace_impl(q, *args, False)
             outputs = ()
         else:
             outputs = (rope_q_impl(q, *args, False),)
     if launches is not None:
-        inputs = (q, cos, sin) if position_ids is None else (q, cos, sin, position_ids)
-        _plans.record(key, inputs, outputs, launches)
+        _plans.record(*signature, outputs, launches)
     if inplace:
         torch.autograd.graph.increment_version(q)
         return q
@@ -148,17 +147,15 @@ def apply_rope_kv(
     Returns:
         ``k: [..., H, K + R]`` (``kv[..., :K]`` then the rotated ``k_pe``) and ``v: [..., H, V]``.
     """
-    key = _plans.kv_key(
+    signature = _plans.kv_signature(
         kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
         interleaved, interleaved_out, copy_v, validate,
     )  # fmt: skip
-    plan = _plans.MISSING if key is None else _plans.plans.get(key, _plans.MISSING)
+    plan = _plans.MISSING if signature is None else _plans.find(*signature)
     if plan is not None and plan is not _plans.MISSING:  # a repeated eager call (_plans)
-        ids = position_ids
-        outputs = plan((kv, k_pe, cos, sin) if ids is None else (kv, k_pe, cos, sin, ids))
+        outputs = plan(signature[1])
         return outputs[0], (outputs[1] if copy_v else kv[..., k_dim:])
 
-    user_kv, user_k_pe = kv, k_pe
     kv, k_pe, k_dim, cos2d, sin2d, positions = _checks.check_kv_call(
         kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
         interleaved, interleaved_out,
@@ -172,18 +169,16 @@ def apply_rope_kv(
     )  # fmt: skip
     if _needs_autograd(kv, k_pe) or torch.compiler.is_compiling():
         return RopeKVFunction.apply(kv, k_pe, *args)
-    with _recording(key if plan is _plans.MISSING else None) as launches:
+    with _recording(signature if plan is _plans.MISSING else None) as launches:
         k, v = rope_kv_impl(kv, k_pe, *args)
     if launches is not None:
-        inputs = (user_kv, user_k_pe, cos, sin)
-        inputs = inputs if position_ids is None else (*inputs, position_ids)
-        _plans.record(key, inputs, (k, v) if copy_v else (k,), launches)
+        _plans.record(*signature, (k, v) if copy_v else (k,), launches)
     return k, (v if copy_v else kv[..., k_dim:])
 
 
-def _recording(key: tuple | None):
-    """Note the pipeline's launches when ``key`` is to get a plan; else do nothing."""
-    if key is None:
+def _recording(signature: tuple | None):
+    """Note the pipeline's launches when this call is to get a plan; else do nothing."""
+    if signature is None:
         return contextlib.nullcontext()
     from .kernels._launch import recording  # imports triton: only once a kernel may run
 

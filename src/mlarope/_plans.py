@@ -8,11 +8,14 @@ launch; later calls with an equal key allocate the outputs, put the new tensors 
 argument slots and launch. That is about a third of the host time of the whole pipeline
 (docs/benchmarks.md, host overhead).
 
-The key holds everything the checks and the launcher read from a call: each tensor's shape,
-strides, dtype, device and address modulo 16 (Triton specializes on 16-byte alignment), every
-flag and integer with its type (so ``1`` never stands in for ``True``), and the current device.
-So a call can only hit a plan if the full pipeline would pass every check and make the very
-same launch.
+A call's plan is found in two steps. A dict key holds the flags and integers with their types
+(so ``1`` never stands in for ``True``), the first tensor's shape, every tensor's address
+modulo 16 (Triton specializes on 16-byte alignment) and the current device. Each entry's guard
+then checks every tensor's class, dtype, device, dispatch keys, ``requires_grad``, sizes and
+strides against the recorded call, in C++ (``torch._C._dynamo.guards.TensorGuards``, what
+``torch.compile`` guards its graphs with; a Python comparison of the same fields where that is
+missing). So a call can only take a plan if the full pipeline would pass every check and make
+the very same launch.
 
 The kernels see a tensor argument only through its address and dtype (every stride is an
 integer argument). A launch argument that is a view of an input with the same address (``k_pe``
@@ -33,10 +36,17 @@ from ._checks import env_validation
 if TYPE_CHECKING:  # kernels import triton, which stays unimported until a kernel is needed
     from .kernels._launch import Launch
 
-MISSING = object()  # no entry for this key yet (the cache holds None for "no plan")
-_MAX_PLANS = 1024  # distinct keys kept before the cache starts over
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - present in every torch this package supports
+    _TensorGuards = None
 
-plans: dict[tuple, Plan | None] = {}
+MISSING = object()  # no recorded call matches (a recorded call without a plan gives None)
+_MAX_KEYS = 1024  # distinct keys kept before the cache starts over
+_MAX_PER_KEY = 8  # guarded entries per key (same shape of the first tensor, other metadata)
+
+# key -> [(guard, plan or None), ...]; guard(*tensors) is True for the recorded metadata.
+plans: dict[tuple, list] = {}
 
 
 class Plan:
@@ -61,15 +71,11 @@ class Plan:
         return outs
 
 
-def _meta(t: torch.Tensor) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
-
-
-def query_key(
+def query_signature(
     q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
     interleaved_out, inverse, inplace, validate,
-) -> tuple | None:  # fmt: skip
-    """The plan key of an ``apply_rope_q`` call, or None if it cannot have a plan: only plain
+) -> tuple[tuple, tuple] | None:  # fmt: skip
+    """``(key, tensors)`` of an ``apply_rope_q`` call, or None if it cannot have a plan: only plain
     eager calls get one (no validation, no autograd, no compile tracing; plain tensors; flags
     that are bools and integers that are ints, so 1 never stands in for True)."""
     tensor = torch.Tensor
@@ -91,22 +97,27 @@ def query_key(
         or env_validation()
     ):
         return None
-    ids = position_ids
-    return (
-        "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace,
-        q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
-        cos.shape, cos.stride(), cos.dtype, cos.device, cos.data_ptr() & 15,
-        sin.shape, sin.stride(), sin.dtype, sin.device, sin.data_ptr() & 15,
-        None if ids is None else _meta(ids),
-        torch._C._cuda_getDevice() if q.is_cuda else -1,
+    if position_ids is None:
+        tensors = (q, cos, sin)
+        alignment = (q.data_ptr() & 15, cos.data_ptr() & 15, sin.data_ptr() & 15)
+    else:
+        tensors = (q, cos, sin, position_ids)
+        alignment = (
+            q.data_ptr() & 15, cos.data_ptr() & 15, sin.data_ptr() & 15,
+            position_ids.data_ptr() & 15,
+        )  # fmt: skip
+    key = (
+        "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace, q.shape,
+        alignment, torch._C._cuda_getDevice() if q.is_cuda else -1,
     )  # fmt: skip
+    return key, tensors
 
 
-def kv_key(
+def kv_signature(
     kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
     interleaved_out, copy_v, validate,
-) -> tuple | None:  # fmt: skip
-    """The plan key of an ``apply_rope_kv`` call, or None if it cannot have a plan."""
+) -> tuple[tuple, tuple] | None:  # fmt: skip
+    """``(key, tensors)`` of an ``apply_rope_kv`` call, or None if it cannot have a plan."""
     tensor = torch.Tensor
     if (
         cu_seqlens is not None
@@ -127,28 +138,57 @@ def kv_key(
         or env_validation()
     ):
         return None
-    ids = position_ids
-    return (
-        "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v,
-        kv.shape, kv.stride(), kv.dtype, kv.device, kv.data_ptr() & 15,
-        k_pe.shape, k_pe.stride(), k_pe.dtype, k_pe.device, k_pe.data_ptr() & 15,
-        cos.shape, cos.stride(), cos.dtype, cos.device, cos.data_ptr() & 15,
-        sin.shape, sin.stride(), sin.dtype, sin.device, sin.data_ptr() & 15,
-        None if ids is None else _meta(ids),
-        torch._C._cuda_getDevice() if kv.is_cuda else -1,
+    tensors = (kv, k_pe, cos, sin) if position_ids is None else (kv, k_pe, cos, sin, position_ids)
+    alignment = (
+        kv.data_ptr() & 15, k_pe.data_ptr() & 15, cos.data_ptr() & 15, sin.data_ptr() & 15,
+        None if position_ids is None else position_ids.data_ptr() & 15,
     )  # fmt: skip
+    key = (
+        "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v, kv.shape,
+        alignment, torch._C._cuda_getDevice() if kv.is_cuda else -1,
+    )  # fmt: skip
+    return key, tensors
+
+
+def find(key: tuple, tensors: tuple[torch.Tensor, ...]):
+    """The plan recorded for a call like this one: a Plan, None (recorded, no plan) or
+    MISSING (not recorded)."""
+    for guard, plan in plans.get(key, ()):
+        if guard(*tensors):
+            return plan
+    return MISSING
 
 
 def record(
     key: tuple,
-    inputs: tuple[torch.Tensor, ...],
+    tensors: tuple[torch.Tensor, ...],
     outputs: tuple[torch.Tensor, ...],
     launches: list[tuple[Launch, tuple]],
 ) -> None:
-    """Store the plan of ``key`` from the pipeline's launches, or None where it has none."""
-    if len(plans) >= _MAX_PLANS:
+    """Store the plan of this call from the pipeline's launches, or None where it has none."""
+    if len(plans) >= _MAX_KEYS:
         plans.clear()
-    plans[key] = _plan_from(inputs, outputs, launches)
+    entries = plans.setdefault(key, [])
+    if len(entries) >= _MAX_PER_KEY:
+        del entries[0]
+    entries.append((_guard(tensors), _plan_from(tensors, outputs, launches)))
+
+
+def _guard(tensors: tuple[torch.Tensor, ...]):
+    """``guard(*tensors)``: True for tensors with the metadata of these."""
+    if _TensorGuards is not None:
+        try:
+            return _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+        except (TypeError, RuntimeError):  # another torch's signature: compare in Python
+            pass
+    recorded = _metadata(tensors)
+    return lambda *now: _metadata(now) == recorded
+
+
+def _metadata(tensors) -> tuple:
+    return tuple(
+        (t.__class__, t.dtype, t.device, t.requires_grad, t.shape, t.stride()) for t in tensors
+    )
 
 
 def _plan_from(inputs, outputs, launches) -> Plan | None:
