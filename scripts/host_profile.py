@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import statistics
 import time
 
 import torch
@@ -34,15 +35,19 @@ def _empty(x_ptr, BLOCK: tl.constexpr):
     pass
 
 
-def per_call_us(fn, calls: int = 3000) -> float:
+def per_call_us(fn, calls: int = 1000, repeats: int = 5) -> float:
+    """Median over ``repeats`` loops of wall-clock microseconds per call (one sync a loop)."""
     for _ in range(200):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    loops = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        loops.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(loops)
 
 
 def main() -> None:
