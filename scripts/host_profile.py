@@ -1,13 +1,14 @@
 """Where the host time of one eager decode call goes (GPU lane; docs/benchmarks.md).
 
-    PYTHONPATH=src python3 scripts/host_profile.py
+    PYTHONPATH=src python3 scripts/host_profile.py [--by-size]
 
 Prints the wall-clock per call, in a loop with one sync at the end, of: the public API for one
 decode token at DeepSeek-V3 shapes (repeated calls: the launch-plan path, mlarope._plans); the
 launchers alone (the pipeline without checks and allocations); the pieces of a call (checks,
 an allocation, the direct launcher's key, the plan key, a plan's launch); the host floor (a
 one-element torch op, an empty Triton kernel through Triton and through our launcher); then
-cProfile's top entries for two public calls.
+cProfile's top entries for two public calls. ``--by-size``: the key/value op per decode size
+beside the allocations it makes.
 """
 
 from __future__ import annotations
@@ -128,5 +129,29 @@ def main() -> None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(22)
 
 
+def by_size() -> None:
+    """The key/value op's host time per decode size, beside the two allocations it makes."""
+    dev = "cuda"
+    cos, sin = mlarope.YarnConfig.deepseek_v3().cos_sin(4096, device=dev)
+    for t in (1, 8, 64, 256):
+        kv = torch.randn(t, 128, 256, dtype=torch.bfloat16, device=dev)
+        k_pe = torch.randn(t, 1, 64, dtype=torch.bfloat16, device=dev)
+        ids = torch.randint(0, 4096, (t,), device=dev)
+        row = {
+            "apply_rope_kv": lambda: mlarope.apply_rope_kv(
+                kv, k_pe, cos, sin, k_dim=128, layout="thd", position_ids=ids
+            ),
+            "copy_v=False": lambda: mlarope.apply_rope_kv(
+                kv, k_pe, cos, sin, k_dim=128, layout="thd", position_ids=ids, copy_v=False
+            ),
+            "empty k": lambda: kv.new_empty((t, 128, 192)),
+            "empty k, v": lambda: (kv.new_empty((t, 128, 192)), kv.new_empty((t, 128, 128))),
+        }
+        cells = ", ".join(f"{name} {per_call_us(fn):.1f}" for name, fn in row.items())
+        print(f"decode {t}: {cells} (us)", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    by_size() if "--by-size" in sys.argv else main()
