@@ -129,25 +129,25 @@ def main() -> None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(22)
 
 
+def kv_calls(t: int, cos: torch.Tensor, sin: torch.Tensor) -> dict:
+    """The key/value op at ``t`` decode tokens and the allocations it makes."""
+    kv = torch.randn(t, 128, 256, dtype=torch.bfloat16, device=cos.device)
+    k_pe = torch.randn(t, 1, 64, dtype=torch.bfloat16, device=cos.device)
+    ids = torch.randint(0, 4096, (t,), device=cos.device)
+    where = dict(k_dim=128, layout="thd", position_ids=ids)
+    return {
+        "apply_rope_kv": lambda: mlarope.apply_rope_kv(kv, k_pe, cos, sin, **where),
+        "copy_v=False": lambda: mlarope.apply_rope_kv(kv, k_pe, cos, sin, copy_v=False, **where),
+        "empty k": lambda: kv.new_empty((t, 128, 192)),
+        "empty k, v": lambda: (kv.new_empty((t, 128, 192)), kv.new_empty((t, 128, 128))),
+    }
+
+
 def by_size() -> None:
     """The key/value op's host time per decode size, beside the two allocations it makes."""
-    dev = "cuda"
-    cos, sin = mlarope.YarnConfig.deepseek_v3().cos_sin(4096, device=dev)
+    cos, sin = mlarope.YarnConfig.deepseek_v3().cos_sin(4096, device="cuda")
     for t in (1, 8, 64, 256):
-        kv = torch.randn(t, 128, 256, dtype=torch.bfloat16, device=dev)
-        k_pe = torch.randn(t, 1, 64, dtype=torch.bfloat16, device=dev)
-        ids = torch.randint(0, 4096, (t,), device=dev)
-        row = {
-            "apply_rope_kv": lambda: mlarope.apply_rope_kv(
-                kv, k_pe, cos, sin, k_dim=128, layout="thd", position_ids=ids
-            ),
-            "copy_v=False": lambda: mlarope.apply_rope_kv(
-                kv, k_pe, cos, sin, k_dim=128, layout="thd", position_ids=ids, copy_v=False
-            ),
-            "empty k": lambda: kv.new_empty((t, 128, 192)),
-            "empty k, v": lambda: (kv.new_empty((t, 128, 192)), kv.new_empty((t, 128, 128))),
-        }
-        cells = ", ".join(f"{name} {per_call_us(fn):.1f}" for name, fn in row.items())
+        cells = ", ".join(f"{k} {per_call_us(fn):.1f}" for k, fn in kv_calls(t, cos, sin).items())
         print(f"decode {t}: {cells} (us)", flush=True)
 
 
