@@ -14,6 +14,7 @@ beside the allocations it makes.
 from __future__ import annotations
 
 import cProfile
+import gc
 import pstats
 import statistics
 import time
@@ -41,6 +42,7 @@ def per_call_us(fn, calls: int = 1000, repeats: int = 5) -> float:
     for _ in range(200):
         fn()
     torch.cuda.synchronize()
+    gc.collect()
     loops = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -50,7 +50,7 @@ plans: dict[tuple, list] = {}
 
 
 class Plan:
-    """The recorded launch of one call signature: ``plan(inputs)`` -> the outputs."""
+    """The recorded launch of one call signature: ``plan(inputs)`` -> the list of outputs."""
 
     __slots__ = ("launch", "outputs", "slots", "template")
 
@@ -60,13 +60,15 @@ class Plan:
         self.slots = slots  # (argument index, index into inputs + outputs)
         self.outputs = outputs  # shapes of the outputs: contiguous, dtype and device of inputs[0]
 
-    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        # Few Python objects per call: each one the cyclic GC tracks brings its next
+        # collection closer (docs/benchmarks.md, host overhead).
         first = inputs[0]
-        outs = tuple([first.new_empty(shape) for shape in self.outputs])
-        sources = inputs + outs
+        outs = [first.new_empty(shape) for shape in self.outputs]
+        n_inputs = len(inputs)
         args = self.template.copy()
         for index, source in self.slots:
-            args[index] = sources[source]
+            args[index] = inputs[source] if source < n_inputs else outs[source - n_inputs]
         self.launch(args)
         return outs
 
@@ -99,12 +101,12 @@ def query_signature(
         return None
     if position_ids is None:
         tensors = (q, cos, sin)
-        alignment = (q.data_ptr() & 15, cos.data_ptr() & 15, sin.data_ptr() & 15)
+        alignment = (q.data_ptr() & 15) | (cos.data_ptr() & 15) << 4 | (sin.data_ptr() & 15) << 8
     else:
         tensors = (q, cos, sin, position_ids)
         alignment = (
-            q.data_ptr() & 15, cos.data_ptr() & 15, sin.data_ptr() & 15,
-            position_ids.data_ptr() & 15,
+            (q.data_ptr() & 15) | (cos.data_ptr() & 15) << 4 | (sin.data_ptr() & 15) << 8
+            | (position_ids.data_ptr() & 15) << 12
         )  # fmt: skip
     key = (
         "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace, q.shape,
@@ -140,8 +142,9 @@ def kv_signature(
         return None
     tensors = (kv, k_pe, cos, sin) if position_ids is None else (kv, k_pe, cos, sin, position_ids)
     alignment = (
-        kv.data_ptr() & 15, k_pe.data_ptr() & 15, cos.data_ptr() & 15, sin.data_ptr() & 15,
-        None if position_ids is None else position_ids.data_ptr() & 15,
+        (kv.data_ptr() & 15) | (k_pe.data_ptr() & 15) << 4 | (cos.data_ptr() & 15) << 8
+        | (sin.data_ptr() & 15) << 12
+        | (16 if position_ids is None else position_ids.data_ptr() & 15) << 16
     )  # fmt: skip
     key = (
         "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v, kv.shape,

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import gc
 import importlib
 import inspect
 import json
@@ -328,11 +329,14 @@ class CudaTimer:
     def host_us(self, fn: Callable[[], object], calls: int | None = None) -> float:
         """Wall-clock microseconds per call of ``fn`` in a loop, one sync at the end: the
         median of ``HOST_REPEATS`` such loops (single loops on the H200 machine's host varied
-        by up to 10 us a call from one op to the next within a run)."""
+        by up to 10 us a call from one op to the next within a run). Python's cyclic garbage
+        collector stays on, as in a user's process, after one full collection, so that objects
+        left by earlier cases are not collected inside this measurement."""
         calls = calls or self.host_calls
         for _ in range(min(50, calls)):
             fn()
         self.sync()
+        gc.collect()
         loops = []
         for _ in range(HOST_REPEATS):
             t0 = time.perf_counter()
