@@ -73,30 +73,38 @@ class Plan:
         return outs
 
 
-def query_signature(
-    q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
-    interleaved_out, inverse, inplace, validate,
-) -> tuple[tuple, tuple] | None:  # fmt: skip
-    """``(key, tensors)`` of an ``apply_rope_q`` call, or None if it cannot have a plan: only plain
-    eager calls get one (no validation, no autograd, no compile tracing; plain tensors; flags
-    that are bools and integers that are ints, so 1 never stands in for True)."""
-    tensor = torch.Tensor
-    if (
-        cu_seqlens is not None
-        or torch.compiler.is_compiling()  # first: nothing below is traced by Dynamo
-        or q.__class__ is not tensor
-        or cos.__class__ is not tensor
-        or sin.__class__ is not tensor
-        or not (position_ids is None or position_ids.__class__ is tensor)
+def _plain_call(cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out) -> bool:
+    """The conditions both ops' plans share: no compile tracing (checked first, so Dynamo
+    traces nothing below), no ``cu_seqlens`` search, no validation, ints that are ints and flags
+    that are bools (so 1 never stands in for True)."""
+    return not (
+        torch.compiler.is_compiling()
+        or cu_seqlens is not None
         or validate is not False
         or cp_rank.__class__ is not int
         or cp_size.__class__ is not int
         or (interleaved is not True and interleaved is not False)
         or (interleaved_out is not True and interleaved_out is not False)
+        or env_validation()
+    )
+
+
+def query_signature(
+    q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+    interleaved_out, inverse, inplace, validate,
+) -> tuple[tuple, tuple] | None:  # fmt: skip
+    """``(key, tensors)`` of an ``apply_rope_q`` call, or None if it cannot have a plan: only plain
+    eager calls get one (no validation, no autograd, no compile tracing; plain tensors)."""
+    tensor = torch.Tensor
+    if (
+        not _plain_call(cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out)
+        or q.__class__ is not tensor
+        or cos.__class__ is not tensor
+        or sin.__class__ is not tensor
+        or not (position_ids is None or position_ids.__class__ is tensor)
         or (inverse is not True and inverse is not False)
         or (inplace is not True and inplace is not False)
         or (q.requires_grad and torch.is_grad_enabled())
-        or env_validation()
     ):
         return None
     if position_ids is None:
@@ -122,22 +130,15 @@ def kv_signature(
     """``(key, tensors)`` of an ``apply_rope_kv`` call, or None if it cannot have a plan."""
     tensor = torch.Tensor
     if (
-        cu_seqlens is not None
-        or torch.compiler.is_compiling()
+        not _plain_call(cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out)
         or kv.__class__ is not tensor
         or k_pe.__class__ is not tensor
         or cos.__class__ is not tensor
         or sin.__class__ is not tensor
         or not (position_ids is None or position_ids.__class__ is tensor)
-        or validate is not False
         or k_dim.__class__ is not int
-        or cp_rank.__class__ is not int
-        or cp_size.__class__ is not int
-        or (interleaved is not True and interleaved is not False)
-        or (interleaved_out is not True and interleaved_out is not False)
         or (copy_v is not True and copy_v is not False)
         or ((kv.requires_grad or k_pe.requires_grad) and torch.is_grad_enabled())
-        or env_validation()
     ):
         return None
     tensors = (kv, k_pe, cos, sin) if position_ids is None else (kv, k_pe, cos, sin, position_ids)
