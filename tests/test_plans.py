@@ -227,3 +227,55 @@ def test_guard_tells_metadata_apart(device, monkeypatch):
         assert_rotated(mlarope.apply_rope_q(q, c, s, **kw), q_truth(q, c, s, **kw))
     assert calls.q == 3, "three distinct metadata, each through the pipeline once"
     assert len(_plans.plans) == 1 and len(recorded_plans()) == 3
+
+
+# ----------------------------------------------------- found by review: calls a plan must not take
+@pytest.mark.parametrize("ids_first", [False, True])
+def test_with_and_without_position_ids(ids_first, device):
+    """The position source is part of the key even when the ids' address adds no bits."""
+    cos, sin = tables(device)
+    q = torch.randn(T, H, N + R, device=device)
+    ids = torch.arange(T, device=device)
+    assert ids.data_ptr() % 16 == 0
+    calls = [dict(layout="thd"), dict(layout="thd", position_ids=ids.flip(0).contiguous())]
+    for kw in (calls[::-1] if ids_first else calls) * 2:
+        assert_rotated(mlarope.apply_rope_q(q, cos, sin, **kw), q_truth(q, cos, sin, **kw))
+
+
+def test_arguments_without_a_key_still_get_the_checks_errors(device):
+    cos, sin = tables(device)
+    q = torch.randn(T, H, N + R, device=device)
+    mlarope.apply_rope_q(q, cos, sin, layout="thd")
+    with pytest.raises(TypeError, match="layout must be a str"):
+        mlarope.apply_rope_q(q, cos, sin, layout=["thd"])
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        mlarope.apply_rope_q(q.cpu().to_sparse(), cos.cpu(), sin.cpu(), layout="thd")
+    with pytest.raises(ValueError, match="negated view"):
+        mlarope.apply_rope_q(torch._neg_view(q), cos, sin, layout="thd")
+
+
+def test_vmap_takes_the_pipeline(monkeypatch):
+    """vmap's batched tensors have no storage: no plan, and the reference path runs as before."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU reference backend
+    cos, sin = tables("cpu")
+    batch = torch.randn(4, T, H, N + R)
+    for _ in range(2):
+        out = torch.func.vmap(lambda x: mlarope.apply_rope_q(x, cos, sin, layout="thd"))(batch)
+        for i in range(4):
+            assert torch.equal(out[i], mlarope.apply_rope_q(batch[i], cos, sin, layout="thd"))
+
+
+def test_cpu_backend_switch_is_in_the_key(monkeypatch):
+    """On the CPU the backend follows TRITON_INTERPRET at each call; a plan recorded for one
+    backend is not taken for the other."""
+    calls = PipelineCalls(monkeypatch)
+    cos, sin = tables("cpu")
+    q = torch.randn(T, H, N + R)
+    counts = []
+    for value in ("1", "0", "1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        mlarope.apply_rope_q(q, cos, sin, layout="thd")
+        counts.append(calls.q)
+    # The reference backend launches nothing, so its calls never get a plan; the
+    # interpreter's second call takes its plan.
+    assert counts == [1, 2, 2, 3]

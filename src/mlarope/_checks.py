@@ -67,6 +67,13 @@ def check_float_tensor(name: str, t: object) -> torch.Tensor:
         raise TypeError(
             f"{name} must be float32, float16, bfloat16 or float64, got dtype {t.dtype}"
         )
+    if not torch.compiler.is_compiling() and t.is_neg():
+        # A lazily negated view (torch._neg_view): its memory holds the values un-negated, and
+        # the kernels read memory. Not checked while Dynamo traces (it cannot trace is_neg()).
+        raise ValueError(
+            f"{name} is a negated view (is_neg() is True: its memory holds -{name}); call "
+            f"{name}.resolve_neg() first"
+        )
     return t
 
 

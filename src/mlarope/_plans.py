@@ -27,6 +27,7 @@ tensor subclass) gets no plan, and such calls always take the pipeline.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,12 +74,15 @@ class Plan:
         return outs
 
 
-def _plain_call(cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out) -> bool:
+def _plain_call(
+    layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
+) -> bool:
     """The conditions both ops' plans share: no compile tracing (checked first, so Dynamo
-    traces nothing below), no ``cu_seqlens`` search, no validation, ints that are ints and flags
-    that are bools (so 1 never stands in for True)."""
+    traces nothing below), no ``cu_seqlens`` search, no validation, a layout that is a str, ints
+    that are ints and flags that are bools (so 1 never stands in for True)."""
     return not (
         torch.compiler.is_compiling()
+        or layout.__class__ is not str
         or cu_seqlens is not None
         or validate is not False
         or cp_rank.__class__ is not int
@@ -97,7 +101,9 @@ def query_signature(
     eager calls get one (no validation, no autograd, no compile tracing; plain tensors)."""
     tensor = torch.Tensor
     if (
-        not _plain_call(cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out)
+        not _plain_call(
+            layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
+        )
         or q.__class__ is not tensor
         or cos.__class__ is not tensor
         or sin.__class__ is not tensor
@@ -107,18 +113,17 @@ def query_signature(
         or (q.requires_grad and torch.is_grad_enabled())
     ):
         return None
-    if position_ids is None:
-        tensors = (q, cos, sin)
-        alignment = (q.data_ptr() & 15) | (cos.data_ptr() & 15) << 4 | (sin.data_ptr() & 15) << 8
-    else:
-        tensors = (q, cos, sin, position_ids)
+    tensors = (q, cos, sin) if position_ids is None else (q, cos, sin, position_ids)
+    try:  # tensors without storage (vmap's batched tensors, sparse) take the pipeline
         alignment = (
             (q.data_ptr() & 15) | (cos.data_ptr() & 15) << 4 | (sin.data_ptr() & 15) << 8
-            | (position_ids.data_ptr() & 15) << 12
+            | (16 if position_ids is None else position_ids.data_ptr() & 15) << 12
         )  # fmt: skip
+    except RuntimeError:
+        return None
     key = (
         "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace, q.shape,
-        alignment, torch._C._cuda_getDevice() if q.is_cuda else -1,
+        alignment, _device_key(q),
     )  # fmt: skip
     return key, tensors
 
@@ -130,7 +135,9 @@ def kv_signature(
     """``(key, tensors)`` of an ``apply_rope_kv`` call, or None if it cannot have a plan."""
     tensor = torch.Tensor
     if (
-        not _plain_call(cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out)
+        not _plain_call(
+            layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
+        )
         or kv.__class__ is not tensor
         or k_pe.__class__ is not tensor
         or cos.__class__ is not tensor
@@ -142,16 +149,27 @@ def kv_signature(
     ):
         return None
     tensors = (kv, k_pe, cos, sin) if position_ids is None else (kv, k_pe, cos, sin, position_ids)
-    alignment = (
-        (kv.data_ptr() & 15) | (k_pe.data_ptr() & 15) << 4 | (cos.data_ptr() & 15) << 8
-        | (sin.data_ptr() & 15) << 12
-        | (16 if position_ids is None else position_ids.data_ptr() & 15) << 16
-    )  # fmt: skip
+    try:
+        alignment = (
+            (kv.data_ptr() & 15) | (k_pe.data_ptr() & 15) << 4 | (cos.data_ptr() & 15) << 8
+            | (sin.data_ptr() & 15) << 12
+            | (16 if position_ids is None else position_ids.data_ptr() & 15) << 16
+        )  # fmt: skip
+    except RuntimeError:
+        return None
     key = (
         "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v, kv.shape,
-        alignment, torch._C._cuda_getDevice() if kv.is_cuda else -1,
+        alignment, _device_key(kv),
     )  # fmt: skip
     return key, tensors
+
+
+def _device_key(t: torch.Tensor):
+    """Triton launches on the current device, not the tensor's: a plan is per current device.
+    On the CPU the backend follows TRITON_INTERPRET (``ops.use_triton``), read on every call."""
+    if t.is_cuda:
+        return torch._C._cuda_getDevice()
+    return ("cpu", os.environ.get("TRITON_INTERPRET"))
 
 
 def find(key: tuple, tensors: tuple[torch.Tensor, ...]):
@@ -191,8 +209,10 @@ def _guard(tensors: tuple[torch.Tensor, ...]):
 
 def _metadata(tensors) -> tuple:
     return tuple(
-        (t.__class__, t.dtype, t.device, t.requires_grad, t.shape, t.stride()) for t in tensors
-    )
+        (t.__class__, t.dtype, t.device, t.requires_grad, t.is_neg(), t.is_inference(), t.shape,
+         t.stride())
+        for t in tensors
+    )  # fmt: skip
 
 
 def _plan_from(inputs, outputs, launches) -> Plan | None:

@@ -233,7 +233,9 @@ class RopeQFunction(torch.autograd.Function):
         cos, sin, cu_seqlens, position_ids = ctx.saved_tensors
         layout, cp_rank, cp_size, interleaved, interleaved_out, inverse = ctx.flags
         args = (cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size)
-        if grad.stride(-1) != 1:  # the kernels need a contiguous last dim
+        # The kernels read memory: a contiguous last dim, and no lazy negation (neg bit).
+        grad = grad.resolve_neg()
+        if grad.stride(-1) != 1:
             grad = grad.contiguous()
         dq = _q(grad, *args, interleaved_out, interleaved, inverse, True)
         return (dq,) + (None,) * 11
@@ -260,6 +262,7 @@ class RopeKVFunction(torch.autograd.Function):
     def backward(ctx, dk, dv):
         cos, sin, cu_seqlens, position_ids = ctx.saved_tensors
         layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out = ctx.flags
+        dk, dv = dk.resolve_neg(), dv.resolve_neg()
         if dk.stride(-1) != 1:
             dk = dk.contiguous()
         if dv.stride(-1) != 1:

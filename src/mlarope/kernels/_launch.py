@@ -150,6 +150,8 @@ class DirectLauncher:
             kernel = self._kernels.get(self._key(backend, device, num_warps, *args))
         if kernel is None:
             kernel = self._launch_through_triton(device, grid, num_warps, args)
+            if kernel is None:  # a jit_cache_hook took the launch over: nothing to keep
+                return
         else:
             g1 = grid[1] if len(grid) > 1 else 1
             g2 = grid[2] if len(grid) > 2 else 1
@@ -158,8 +160,10 @@ class DirectLauncher:
         if recorded is not None:
             recorded.append((Launch(self, grid, num_warps, kernel, device), args))
 
-    def _launch_through_triton(self, device, grid, num_warps, args) -> _Kernel:
+    def _launch_through_triton(self, device, grid, num_warps, args) -> _Kernel | None:
         compiled = self.fn[grid](*args, num_warps=num_warps)
+        if compiled is None:
+            return None
         if self._backend is None:
             # The backend object Triton's binder passes to native_specialize_impl.
             self._backend = self.fn.device_caches[device][3]
