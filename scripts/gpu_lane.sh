@@ -3,11 +3,12 @@
 # with its racy control, the benchmark, the 2-GPU NCCL context-parallel test).
 #
 #   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
-#                                    [sweep] [sweep_base] [host]
+#                                    [sweep] [sweep_base] [host] [decode]
 #   (default: the first six, in that order; sweep = python -m mlarope.sweep, the launch-config
 #   sweep; sweep_base = its heuristic rows for a package copy in .ab/base, an A/B baseline:
 #   copy src/mlarope there, with the current sweep.py, and carry .ab; host = the host-overhead
-#   profile of one decode call, scripts/host_profile.py)
+#   profile of one decode call, scripts/host_profile.py; decode = the benchmark's decode cases,
+#   ours only)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -61,6 +62,10 @@ for step in "${steps[@]}"; do
       PYTHONPATH="$PWD/.ab/base:${PYTHONPATH#*:}" timeout 90 python3 -m mlarope.sweep \
         --label base --heuristic-only --ops q_inplace,kv,kv_no_v,kv_bwd \
         --json "$OUT/sweep_base.json" 2>&1 | tail -20 ;;
+    decode)
+      # The decode cases alone, ours only: the host-overhead target in a minute.
+      timeout 150 python3 -m mlarope bench --cases decode --impls mlarope --out "$OUT/decode" \
+        2>&1 | grep -E "host <=|floor|targets" ;;
     host)
       python3 scripts/host_profile.py >"$OUT/host.txt" 2>&1; head -20 "$OUT/host.txt" ;;
     compile_debug)
