@@ -15,7 +15,14 @@ import contextlib
 import torch
 
 from . import _checks, _plans, reference
-from .ops import RopeKVFunction, RopeQFunction, rope_kv_impl, rope_q_impl, rope_q_inplace_impl
+from .ops import (
+    RopeKVFunction,
+    RopeQFunction,
+    rope_kv_impl,
+    rope_q_impl,
+    rope_q_inplace_impl,
+    use_triton,
+)
 from .yarn import YarnConfig
 
 __all__ = ["YarnConfig", "__version__", "apply_rope_kv", "apply_rope_q", "reference"]
@@ -177,10 +184,11 @@ def apply_rope_kv(
 
 
 def _recording(signature: tuple | None):
-    """Note the pipeline's launches when this call is to get a plan; else do nothing."""
-    if signature is None:
+    """Note the pipeline's launches when this call is to get a plan and will launch a kernel;
+    else do nothing (the PyTorch backend launches nothing, and triton stays unimported)."""
+    if signature is None or not use_triton(signature[1][0]):
         return contextlib.nullcontext()
-    from .kernels._launch import recording  # imports triton: only once a kernel may run
+    from .kernels._launch import recording
 
     return recording()
 
