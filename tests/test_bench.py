@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from mlarope import bench
 from mlarope.bench import MlaDims, Row, bytes_moved, rotation_sets, target_status
@@ -265,3 +266,15 @@ def test_gpu_bench_runs_a_small_subset(tmp_path):
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert len(rows) == 8
     assert all(r["note"] == "" and r["ms"] > 0 and r["method"].startswith("graph") for r in rows)
+
+
+def test_sweep_kv_pattern_copy_moves_the_kv_ops_elements():
+    """The sweep's key/value ceiling kernel copies exactly what the key/value forward without
+    copy_v writes, minus the rotation: ``k[..., :K] = kv[..., :K]``, ``k[..., K:] = k_pe``."""
+    sweep = pytest.importorskip("mlarope.sweep")
+    kv = torch.randn(5, 3, 16 + 8)
+    k_pe = torch.randn(5, 32)
+    k = torch.full((5, 3, 16 + 32), float("nan"))
+    sweep.kv_pattern_copy(kv, k_pe, k, block_r=4, num_warps=1)
+    assert torch.equal(k[..., :16], kv[..., :16])
+    assert torch.equal(k[..., 16:], k_pe[:, None, :].expand(5, 3, 32))

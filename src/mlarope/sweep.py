@@ -3,10 +3,12 @@
 The benchmark (``python -m mlarope bench``) times what users get: the public API with the
 heuristic launch configurations. This times the launchers directly, at DeepSeek-V3 shapes
 (H = 128, N = K = V = 128, R = 64, bf16, fp32 tables), for the heuristic's configuration and a
-list of alternatives, beside two ceilings measured in the same process: a contiguous
-device-to-device copy, and a strided copy of exactly the elements the in-place query op moves
+list of alternatives, beside ceilings measured in the same process: a contiguous
+device-to-device copy; a strided copy of exactly the elements the in-place query op moves
 (``q[..., N:]``: 128 of every 384 bytes), which is the best any kernel with that access
-pattern can do. It is how the heuristics in ``kernels/q.py`` and ``kernels/kv.py`` were chosen
+pattern can do; and the key/value forward's bytes without ``copy_v`` moved by plain loads and
+stores (half of every ``kv`` row read, ``k`` written whole), that op's own ceiling. It is how
+the heuristics in ``kernels/q.py`` and ``kernels/kv.py`` were chosen
 (docs/perf_log.md).
 
 Timing: ``triton.testing.do_bench`` (L2 flushed before each call; its default return, the mean
@@ -129,6 +131,33 @@ def _copy_row_slices(src_ptr, dst_ptr, n_rows, row_stride, offset, BLOCK_R: tl.c
     tl.store(dst_ptr + at, tl.load(src_ptr + at, mask=m), mask=m)
 
 
+@triton.jit
+def _copy_kv_pattern(kv_ptr, kpe_ptr, k_ptr, n_rows, n_heads, K: tl.constexpr,
+                     V: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """The key/value forward's bytes without ``copy_v`` and without arithmetic: for a block of
+    (token, head) rows, ``k[r, :K] = kv[r, :K]`` and ``k[r, K:] = k_pe[r // n_heads]``."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    m = (r < n_rows)[:, None]
+    c = tl.arange(0, K)[None, :]
+    tl.store(k_ptr + r[:, None] * (K + R) + c, tl.load(kv_ptr + r[:, None] * (K + V) + c, mask=m),
+             mask=m)  # fmt: skip
+    j = tl.arange(0, R)[None, :]
+    pe = tl.load(kpe_ptr + (r // n_heads)[:, None] * R + j, mask=m)
+    tl.store(k_ptr + r[:, None] * (K + R) + K + j, pe, mask=m)
+
+
+def kv_pattern_copy(kv: torch.Tensor, k_pe: torch.Tensor, k: torch.Tensor, block_r: int,
+                    num_warps: int) -> None:  # fmt: skip
+    """``kv: [T, H, K + V]``, ``k_pe: [T, R]`` -> ``k: [T, H, K + R]`` (contiguous), copies only."""
+    n_tokens, n_heads, _ = kv.shape
+    rope = k_pe.shape[-1]
+    k_dim = k.shape[-1] - rope
+    _copy_kv_pattern[(triton.cdiv(n_tokens * n_heads, block_r),)](
+        kv, k_pe, k, n_tokens * n_heads, n_heads, K=k_dim, V=kv.shape[-1] - k_dim, R=rope,
+        BLOCK_R=block_r, num_warps=num_warps,
+    )  # fmt: skip
+
+
 def ceilings(device) -> dict[str, float]:
     """TB/s of a contiguous 1 GiB copy, and of a plain copy of exactly the elements the
     in-place query op reads and writes (``q[..., N:]`` of every row: 128 of every 384 bytes),
@@ -157,6 +186,13 @@ def ceilings(device) -> dict[str, float]:
             out[f"{name}[{block_r}x{warps}w]"] = moved / (us * 1e-6) / 1e12
     torch_us = _bench(lambda: q2[..., NOPE:].copy_(q[..., NOPE:]))
     out["rope_slice_torch_copy_tbps"] = moved / (torch_us * 1e-6) / 1e12
+    # The key/value forward without copy_v reads half of every kv row (K of K + V channels).
+    kv = torch.randn(TOKENS, HEADS, K_DIM + V_DIM, dtype=torch.bfloat16, device=device)
+    k_pe = torch.randn(TOKENS, ROPE, dtype=torch.bfloat16, device=device)
+    k = torch.empty(TOKENS, HEADS, K_DIM + ROPE, dtype=torch.bfloat16, device=device)
+    for block_r, warps in ((128, 8), (64, 4), (32, 4)):
+        us = _bench(lambda b=block_r, w=warps: kv_pattern_copy(kv, k_pe, k, b, w))
+        out[f"kv_no_v_pattern_tbps[{block_r}x{warps}w]"] = _bytes("kv_no_v") / (us * 1e-6) / 1e12
     return out
 
 
