@@ -279,3 +279,9 @@ def test_cpu_backend_switch_is_in_the_key(monkeypatch):
     # The reference backend launches nothing, so its calls are never recorded; the
     # interpreter's second call takes its plan.
     assert counts == [1, 2, 2, 3]
+
+
+def test_guard_kind_names_the_guard():
+    """``mlarope info`` says which guard runs (the fixture runs each test with both)."""
+    expected = "Python" if _plans._TensorGuards is None else "TensorGuards (C++)"
+    assert _plans.guard_kind() == expected

@@ -209,6 +209,12 @@ def _guard(tensors: tuple[torch.Tensor, ...]):
     return lambda *now: _metadata(now) == recorded
 
 
+def guard_kind() -> str:
+    """Which guard plans use in this process (``mlarope info``)."""
+    guard = _guard((torch.empty(1),))
+    return "TensorGuards (C++)" if getattr(guard, "__self__", None) is not None else "Python"
+
+
 def _metadata(tensors) -> tuple:
     return tuple(
         (t.__class__, t.dtype, t.device, t.requires_grad, t.is_neg(), t.is_inference(), t.shape,

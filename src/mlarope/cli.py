@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     import mlarope
+    from mlarope import _plans
 
     table = Table(title="mlarope info", show_header=False)
     table.add_row("mlarope", mlarope.__version__)
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         table.add_row("cuda", "not available")
     table.add_row("cpu", "Triton kernels (interpreter)" if interpreter else "PyTorch reference")
+    table.add_row("eager plan guard", _plans.guard_kind())
     Console().print(table)
     return 0
 
