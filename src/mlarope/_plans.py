@@ -101,31 +101,21 @@ def query_signature(
 ) -> tuple[tuple, tuple] | None:  # fmt: skip
     """``(key, tensors)`` of an ``apply_rope_q`` call, or None if it cannot have a plan: only plain
     eager calls get one (no validation, no autograd, no compile tracing; plain tensors)."""
-    tensor = torch.Tensor
     if (
         not _plain_call(
             layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
         )
-        or q.__class__ is not tensor
-        or cos.__class__ is not tensor
-        or sin.__class__ is not tensor
-        or not (position_ids is None or position_ids.__class__ is tensor)
         or (inverse is not True and inverse is not False)
         or (inplace is not True and inplace is not False)
-        or (q.requires_grad and torch.is_grad_enabled())
     ):
         return None
     tensors = (q, cos, sin) if position_ids is None else (q, cos, sin, position_ids)
-    try:  # tensors without storage (vmap's batched tensors, sparse) take the pipeline
-        alignment = (
-            (q.data_ptr() & 15) | (cos.data_ptr() & 15) << 4 | (sin.data_ptr() & 15) << 8
-            | (16 if position_ids is None else position_ids.data_ptr() & 15) << 12
-        )  # fmt: skip
-    except RuntimeError:
+    alignment = _alignment(tensors)
+    if alignment is None or (q.requires_grad and torch.is_grad_enabled()):
         return None
     key = (
-        "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace, q.shape,
-        alignment, _device_key(q),
+        "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace,
+        len(tensors), q.shape, alignment, _device_key(q),
     )  # fmt: skip
     return key, tensors
 
@@ -135,35 +125,39 @@ def kv_signature(
     interleaved_out, copy_v, validate,
 ) -> tuple[tuple, tuple] | None:  # fmt: skip
     """``(key, tensors)`` of an ``apply_rope_kv`` call, or None if it cannot have a plan."""
-    tensor = torch.Tensor
     if (
         not _plain_call(
             layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
         )
-        or kv.__class__ is not tensor
-        or k_pe.__class__ is not tensor
-        or cos.__class__ is not tensor
-        or sin.__class__ is not tensor
-        or not (position_ids is None or position_ids.__class__ is tensor)
         or k_dim.__class__ is not int
         or (copy_v is not True and copy_v is not False)
-        or ((kv.requires_grad or k_pe.requires_grad) and torch.is_grad_enabled())
     ):
         return None
     tensors = (kv, k_pe, cos, sin) if position_ids is None else (kv, k_pe, cos, sin, position_ids)
-    try:
-        alignment = (
-            (kv.data_ptr() & 15) | (k_pe.data_ptr() & 15) << 4 | (cos.data_ptr() & 15) << 8
-            | (sin.data_ptr() & 15) << 12
-            | (16 if position_ids is None else position_ids.data_ptr() & 15) << 16
-        )  # fmt: skip
-    except RuntimeError:
+    alignment = _alignment(tensors)
+    if alignment is None or ((kv.requires_grad or k_pe.requires_grad) and torch.is_grad_enabled()):
         return None
     key = (
-        "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v, kv.shape,
-        alignment, _device_key(kv),
+        "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v,
+        len(tensors), kv.shape, alignment, _device_key(kv),
     )  # fmt: skip
     return key, tensors
+
+
+def _alignment(tensors: tuple) -> int | None:
+    """Every tensor's address modulo 16, 4 bits each (Triton specializes on 16-byte alignment),
+    or None if one is not a plain ``torch.Tensor`` with storage (a subclass, ``None`` where
+    a tensor belongs, vmap's batched tensors, sparse tensors): those calls take the pipeline.
+    The caller puts ``len(tensors)`` in the key beside it (with or without ``position_ids``)."""
+    bits = 0
+    try:
+        for t in tensors:
+            if t.__class__ is not torch.Tensor:
+                return None
+            bits = bits << 4 | (t.data_ptr() & 15)
+    except RuntimeError:
+        return None
+    return bits
 
 
 def _device_key(t: torch.Tensor):
