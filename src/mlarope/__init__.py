@@ -78,8 +78,8 @@ def apply_rope_q(
         q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
         interleaved_out, inverse, inplace, validate,
     )  # fmt: skip
-    plan = _plans.MISSING if signature is None else _plans.find(*signature)
-    if plan is not None and plan is not _plans.MISSING:  # a repeated eager call (_plans)
+    plan = _plans.find(signature)
+    if plan.__class__ is _plans.Plan:  # a repeated eager call (_plans)
         outputs = plan(signature[1])
         if inplace:
             torch.autograd.graph.increment_version(q)
@@ -158,8 +158,8 @@ def apply_rope_kv(
         kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
         interleaved, interleaved_out, copy_v, validate,
     )  # fmt: skip
-    plan = _plans.MISSING if signature is None else _plans.find(*signature)
-    if plan is not None and plan is not _plans.MISSING:  # a repeated eager call (_plans)
+    plan = _plans.find(signature)
+    if plan.__class__ is _plans.Plan:  # a repeated eager call (_plans)
         outputs = plan(signature[1])
         return outputs[0], (outputs[1] if copy_v else kv[..., k_dim:])
 
@@ -184,8 +184,9 @@ def apply_rope_kv(
 
 
 def _recording(signature: tuple | None):
-    """Note the pipeline's launches when this call is to get a plan and will launch a kernel;
-    else do nothing (the PyTorch backend launches nothing, and triton stays unimported)."""
+    """Note the pipeline's launches when this call is to get a plan (``signature`` given) and
+    will launch a kernel; else do nothing (the PyTorch backend launches nothing, and triton
+    stays unimported)."""
     if signature is None or not use_triton(signature[1][0]):
         return contextlib.nullcontext()
     from .kernels._launch import recording

@@ -168,9 +168,12 @@ def _device_key(t: torch.Tensor):
     return ("cpu", os.environ.get("TRITON_INTERPRET"))
 
 
-def find(key: tuple, tensors: tuple[torch.Tensor, ...]):
-    """The plan recorded for a call like this one: a Plan, None (recorded, no plan) or
-    MISSING (not recorded)."""
+def find(signature: tuple[tuple, tuple] | None):
+    """The plan recorded for a call with this signature: a Plan; None where the call cannot
+    have one or was recorded without one; MISSING where it is to be recorded."""
+    if signature is None:
+        return None
+    key, tensors = signature
     for guard, plan in plans.get(key, ()):
         if guard(*tensors):
             return plan

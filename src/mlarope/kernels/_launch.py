@@ -63,7 +63,7 @@ class _Kernel:
     """A compiled kernel's launch entry. Where the kernel needs no scratch memory (ours do
     not), Triton's C launcher is called without its Python wrapper (``CudaLauncher.__call__``,
     which only allocates scratch memory and forwards); hooks are never passed (see
-    ``_plain_launch``)."""
+    ``_through_triton``)."""
 
     __slots__ = ("compiled", "cooperative", "function", "metadata", "pdl", "raw")
 
@@ -101,14 +101,14 @@ class Launch:
 
     def __init__(self, launcher: DirectLauncher, grid, num_warps: int, kernel, device: int):
         self.launcher = launcher
-        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.grid = _grid3(grid)
         self.num_warps = num_warps
         self.kernel = kernel  # a _Kernel; None: launched through Triton (interpreter, hooks)
         self.device = device
 
     def __call__(self, args) -> None:
         kernel = self.kernel
-        if kernel is None or self.launcher.fn.pre_run_hooks or not _plain_launch():
+        if kernel is None or _through_triton(self.launcher.fn):
             self.launcher.fn[self.grid](*args, num_warps=self.num_warps)
             return
         g0, g1, g2 = self.grid
@@ -137,7 +137,7 @@ class DirectLauncher:
     def __call__(self, grid: tuple[int, ...], num_warps: int, *args) -> None:
         if len(args) != self._n_args:
             raise TypeError(f"{self._name} takes {self._n_args} arguments, got {len(args)}")
-        if self._interpreted or not args[0].is_cuda or self.fn.pre_run_hooks or not _plain_launch():
+        if self._interpreted or not args[0].is_cuda or _through_triton(self.fn):
             self.fn[grid](*args, num_warps=num_warps)
             recorded = _recording.launches
             if recorded is not None:
@@ -153,9 +153,7 @@ class DirectLauncher:
             if kernel is None:  # a jit_cache_hook took the launch over: nothing to keep
                 return
         else:
-            g1 = grid[1] if len(grid) > 1 else 1
-            g2 = grid[2] if len(grid) > 2 else 1
-            kernel.launch(grid[0], g1, g2, device, args)
+            kernel.launch(*_grid3(grid), device, args)
         recorded = _recording.launches
         if recorded is not None:
             recorded.append((Launch(self, grid, num_warps, kernel, device), args))
@@ -212,15 +210,21 @@ def _make_key_function(fn):
     return namespace["key"]
 
 
-def _plain_launch() -> bool:
-    """True when Triton's launch would do nothing but launch: no hooks, no debug mode."""
+def _through_triton(fn) -> bool:
+    """True when Triton's launch would do more than launch (launch or pre-run hooks, debug
+    mode, instrumentation): then ``fn[grid](...)`` must make it."""
     runtime = knobs.runtime
-    return (
-        not _hooks_set(runtime.launch_enter_hook)
-        and not _hooks_set(runtime.launch_exit_hook)
-        and not runtime.debug
-        and not knobs.compilation.instrumentation_mode
+    return bool(
+        fn.pre_run_hooks
+        or _hooks_set(runtime.launch_enter_hook)
+        or _hooks_set(runtime.launch_exit_hook)
+        or runtime.debug
+        or knobs.compilation.instrumentation_mode
     )
+
+
+def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
 
 def _hooks_set(hook) -> bool:
