@@ -278,3 +278,16 @@ def test_sweep_kv_pattern_copy_moves_the_kv_ops_elements():
     sweep.kv_pattern_copy(kv, k_pe, k, block_r=4, num_warps=1)
     assert torch.equal(k[..., :16], kv[..., :16])
     assert torch.equal(k[..., 16:], k_pe[:, None, :].expand(5, 3, 32))
+
+
+def test_sweep_kv_bwd_pattern_copy_moves_the_kv_backwards_rows():
+    """The sweep's key/value backward ceiling kernel writes ``dkv = [dk[:, :K], dv]`` and leaves
+    ``dk`` (whose rope channels it reads) unchanged."""
+    sweep = pytest.importorskip("mlarope.sweep")
+    dk = torch.randn(7, 16 + 32)
+    dv = torch.randn(7, 8)
+    dk_before = dk.clone()
+    dkv = torch.full((7, 16 + 8), float("nan"))
+    sweep.kv_bwd_pattern_copy(dk, dv, dkv, rope=32, block_r=4, num_warps=1)
+    assert torch.equal(dkv, torch.cat([dk[:, :16], dv], dim=-1))
+    assert torch.equal(dk, dk_before)

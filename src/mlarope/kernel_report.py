@@ -116,11 +116,13 @@ def deepseek_v3_reports() -> list[KernelReport]:
             reports.append(compile_report(_rope_q_kernel, q_ptrs, consts, qc.num_warps, name))
     kc = choose_kv_config(16384, 128, 128)
     kv_ptrs = {"kv_ptr": "*bf16", "kpe_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", **tables}
-    consts = dict(
-        POS_MODE=0, HALF=32, BLOCK_T=kc.block_t, BLOCK_H=kc.block_h, BLOCK_C=kc.block_c,
-        INTERLEAVED_IN=True, INTERLEAVED_OUT=False, COPY_V=True,
-    )  # fmt: skip
-    reports.append(compile_report(_rope_kv_fwd_kernel, kv_ptrs, consts, kc.num_warps, "kv fwd"))
+    for copy_v in (True, False):
+        consts = dict(
+            POS_MODE=0, HALF=32, BLOCK_T=kc.block_t, BLOCK_H=kc.block_h, BLOCK_C=kc.block_c,
+            INTERLEAVED_IN=True, INTERLEAVED_OUT=False, COPY_V=copy_v,
+        )  # fmt: skip
+        name = "kv fwd" if copy_v else "kv fwd, no copy_v"
+        reports.append(compile_report(_rope_kv_fwd_kernel, kv_ptrs, consts, kc.num_warps, name))
     bc = choose_kv_backward_config(16384, 128, 128, 64)
     bwd_ptrs = {
         "dk_ptr": "*bf16",

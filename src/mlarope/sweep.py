@@ -7,7 +7,8 @@ list of alternatives, beside ceilings measured in the same process: a contiguous
 device-to-device copy; a strided copy of exactly the elements the in-place query op moves
 (``q[..., N:]``: 128 of every 384 bytes), which is the best any kernel with that access
 pattern can do; and the key/value forward's bytes without ``copy_v`` moved by plain loads and
-stores (half of every ``kv`` row read, ``k`` written whole), that op's own ceiling. It is how
+stores (half of every ``kv`` row read, ``k`` written whole), that op's own ceiling; and the
+backward's row copies (``dk`` and ``dv`` rows read whole, ``dkv`` rows written). It is how
 the heuristics in ``kernels/q.py`` and ``kernels/kv.py`` were chosen
 (docs/perf_log.md).
 
@@ -146,6 +147,25 @@ def _copy_kv_pattern(kv_ptr, kpe_ptr, k_ptr, n_rows, n_heads, K: tl.constexpr,
     tl.store(k_ptr + r[:, None] * (K + R) + K + j, pe, mask=m)
 
 
+@triton.jit
+def _copy_kv_bwd_pattern(dk_ptr, dv_ptr, dkv_ptr, n_rows, K: tl.constexpr, V: tl.constexpr,
+                         R: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """The key/value backward's row bytes without arithmetic: for a block of (token, head)
+    rows, ``dkv[r] = [dk[r, :K], dv[r]]``, and ``dk[r, K:]`` read too (the head sum's input)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    m = (r < n_rows)[:, None]
+    c = tl.arange(0, K)[None, :]
+    j = tl.arange(0, R)[None, :]
+    k_blk = tl.load(dk_ptr + r[:, None] * (K + R) + c, mask=m)
+    pe = tl.load(dk_ptr + r[:, None] * (K + R) + K + j, mask=m)
+    cv = tl.arange(0, V)[None, :]
+    v_blk = tl.load(dv_ptr + r[:, None] * V + cv, mask=m)
+    tl.store(dkv_ptr + r[:, None] * (K + V) + c, k_blk, mask=m)
+    tl.store(dkv_ptr + r[:, None] * (K + V) + K + cv, v_blk, mask=m)
+    # Never stored (no row index is negative), but the compiler cannot drop the load.
+    tl.store(dk_ptr + r[:, None] * (K + R) + K + j, pe, mask=m & (r[:, None] < 0))
+
+
 def kv_pattern_copy(kv: torch.Tensor, k_pe: torch.Tensor, k: torch.Tensor, block_r: int,
                     num_warps: int) -> None:  # fmt: skip
     """``kv: [T, H, K + V]``, ``k_pe: [T, R]`` -> ``k: [T, H, K + R]`` (contiguous), copies only."""
@@ -155,6 +175,17 @@ def kv_pattern_copy(kv: torch.Tensor, k_pe: torch.Tensor, k: torch.Tensor, block
     _copy_kv_pattern[(triton.cdiv(n_tokens * n_heads, block_r),)](
         kv, k_pe, k, n_tokens * n_heads, n_heads, K=k_dim, V=kv.shape[-1] - k_dim, R=rope,
         BLOCK_R=block_r, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def kv_bwd_pattern_copy(dk: torch.Tensor, dv: torch.Tensor, dkv: torch.Tensor, rope: int,
+                        block_r: int, num_warps: int) -> None:  # fmt: skip
+    """``dk: [rows, K + R]``, ``dv: [rows, V]`` -> ``dkv: [rows, K + V]`` (contiguous), copies
+    only; ``dk[:, K:]`` is read and dropped."""
+    k_dim = dk.shape[-1] - rope
+    _copy_kv_bwd_pattern[(triton.cdiv(dk.shape[0], block_r),)](
+        dk, dv, dkv, dk.shape[0], K=k_dim, V=dv.shape[-1], R=rope, BLOCK_R=block_r,
+        num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -193,6 +224,13 @@ def ceilings(device) -> dict[str, float]:
     for block_r, warps in ((128, 8), (64, 4), (32, 4)):
         us = _bench(lambda b=block_r, w=warps: kv_pattern_copy(kv, k_pe, k, b, w))
         out[f"kv_no_v_pattern_tbps[{block_r}x{warps}w]"] = _bytes("kv_no_v") / (us * 1e-6) / 1e12
+    # The key/value backward reads dk and dv rows whole and writes dkv rows whole.
+    dk = torch.randn(TOKENS * HEADS, K_DIM + ROPE, dtype=torch.bfloat16, device=device)
+    dv = torch.randn(TOKENS * HEADS, V_DIM, dtype=torch.bfloat16, device=device)
+    dkv = torch.empty(TOKENS * HEADS, K_DIM + V_DIM, dtype=torch.bfloat16, device=device)
+    for block_r, warps in ((64, 8), (16, 2)):
+        us = _bench(lambda b=block_r, w=warps: kv_bwd_pattern_copy(dk, dv, dkv, ROPE, b, w))
+        out[f"kv_bwd_pattern_tbps[{block_r}x{warps}w]"] = _bytes("kv_bwd") / (us * 1e-6) / 1e12
     return out
 
 

@@ -24,6 +24,7 @@ from ._lookup import (
     rotate,
     token_positions,
 )
+from ._tiles import geometry, program_tile, tile_grid
 
 
 @triton.jit
@@ -51,6 +52,7 @@ def _rope_q_kernel(
     n_tokens,
     D1,
     n_heads,
+    n_head_blocks,  # _tiles.tile_grid
     n_nope,
     n_rows,  # P
     stride_x0, stride_x1, stride_xh,
@@ -73,8 +75,7 @@ def _rope_q_kernel(
     TRANSPOSE: tl.constexpr,
     IN_PLACE: tl.constexpr,
 ):  # fmt: skip
-    i_t = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_t, i_h = program_tile(n_head_blocks)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     m_t = o_t < n_tokens
@@ -186,21 +187,6 @@ def choose_q_config(
     return QLaunchConfig(block_t, block_h, block_n, num_warps)
 
 
-def geometry(t: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
-    """``(D0, D1, H, D, stride0, stride1, stride_h)`` of ``[D0, D1, H, D]`` or ``[T, H, D]``
-    (as ``[T, 1, H, D]``), read without making views: this runs on every call."""
-    shape, stride = t.shape, t.stride()
-    if len(shape) == 3:
-        return shape[0], 1, shape[1], shape[2], stride[0], 0, stride[1]
-    return shape[0], shape[1], shape[2], shape[3], stride[0], stride[1], stride[2]
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division in plain Python (``triton.cdiv`` goes through Triton's JIT wrapper,
-    several microseconds a call on the launch path)."""
-    return -(-a // b)
-
-
 def rope_q_launch(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -230,12 +216,12 @@ def rope_q_launch(
     config = config or choose_q_config(
         n_tokens, n_heads, n_nope, rope_dim, inplace, loaded_positions
     )
-    grid = (cdiv(n_tokens, config.block_t), cdiv(n_heads, config.block_h))
+    grid, n_head_blocks = tile_grid(n_tokens, config.block_t, n_heads, config.block_h)
     pos_mode, pos_args = position_args(positions, x, (d0, d1))
     _launch_q(
         grid, config.num_warps,
         x, out, cos, sin,
-        n_tokens, d1, n_heads, n_nope, cos.shape[0],
+        n_tokens, d1, n_heads, n_head_blocks, n_nope, cos.shape[0],
         stride_x0, stride_x1, stride_xh,
         stride_o0, stride_o1, stride_oh,
         cos.stride(0),
