@@ -268,26 +268,26 @@ def test_gpu_bench_runs_a_small_subset(tmp_path):
     assert all(r["note"] == "" and r["ms"] > 0 and r["method"].startswith("graph") for r in rows)
 
 
-def test_sweep_kv_pattern_copy_moves_the_kv_ops_elements():
+def test_sweep_kv_pattern_copy_moves_the_kv_ops_elements(device):
     """The sweep's key/value ceiling kernel copies exactly what the key/value forward without
     copy_v writes, minus the rotation: ``k[..., :K] = kv[..., :K]``, ``k[..., K:] = k_pe``."""
     sweep = pytest.importorskip("mlarope.sweep")
-    kv = torch.randn(5, 3, 16 + 8)
-    k_pe = torch.randn(5, 32)
-    k = torch.full((5, 3, 16 + 32), float("nan"))
+    kv = torch.randn(5, 3, 16 + 8, device=device)
+    k_pe = torch.randn(5, 32, device=device)
+    k = torch.full((5, 3, 16 + 32), float("nan"), device=device)
     sweep.kv_pattern_copy(kv, k_pe, k, block_r=4, num_warps=1)
     assert torch.equal(k[..., :16], kv[..., :16])
     assert torch.equal(k[..., 16:], k_pe[:, None, :].expand(5, 3, 32))
 
 
-def test_sweep_kv_bwd_pattern_copy_moves_the_kv_backwards_rows():
+def test_sweep_kv_bwd_pattern_copy_moves_the_kv_backwards_rows(device):
     """The sweep's key/value backward ceiling kernel writes ``dkv = [dk[:, :K], dv]`` and leaves
     ``dk`` (whose rope channels it reads) unchanged."""
     sweep = pytest.importorskip("mlarope.sweep")
-    dk = torch.randn(7, 16 + 32)
-    dv = torch.randn(7, 8)
+    dk = torch.randn(7, 16 + 32, device=device)
+    dv = torch.randn(7, 8, device=device)
     dk_before = dk.clone()
-    dkv = torch.full((7, 16 + 8), float("nan"))
+    dkv = torch.full((7, 16 + 8), float("nan"), device=device)
     sweep.kv_bwd_pattern_copy(dk, dv, dkv, rope=32, block_r=4, num_warps=1)
     assert torch.equal(dkv, torch.cat([dk[:, :16], dv], dim=-1))
     assert torch.equal(dk, dk_before)

@@ -621,8 +621,16 @@ CONFIG_CASES = [
     Case(layout="thd", tokens=(9,), source="cu", cu=CU_SMALL, heads=20, k_dim=40, v_dim=24),
     # Without copy_v the forward loads its first channel block early and copies the rest
     # (k_dim 40 > block_c 16 or 32) after the rotation.
-    Case(layout="thd", tokens=(8,), source="cu", cu=CU_SMALL, heads=3, k_dim=40, v_dim=24,
-         copy_v=False),  # fmt: skip
+    Case(
+        layout="thd",
+        tokens=(8,),
+        source="cu",
+        cu=CU_SMALL,
+        heads=3,
+        k_dim=40,
+        v_dim=24,
+        copy_v=False,
+    ),
     Case(
         layout="sbhd",
         tokens=(4, 2),

@@ -265,6 +265,7 @@ def test_vmap_takes_the_pipeline(monkeypatch):
             assert torch.equal(out[i], mlarope.apply_rope_q(batch[i], cos, sin, layout="thd"))
 
 
+@pytest.mark.cpu
 def test_cpu_backend_switch_is_in_the_key(monkeypatch):
     """On the CPU the backend follows TRITON_INTERPRET at each call; a plan recorded for one
     backend is not taken for the other."""

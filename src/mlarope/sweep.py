@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import Positions
+from .kernels._lookup import position_args
 from .kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
 from .kernels.q import QLaunchConfig, rope_q_launch
 from .yarn import YarnConfig
@@ -37,12 +38,14 @@ HEADS, NOPE, ROPE, K_DIM, V_DIM, TOKENS = 128, 128, 64, 128, 128, 16384
 # (block_t, block_h, block_n or block_c, num_warps); None is the heuristic's choice.
 Q_INPLACE_CONFIGS = [
     None, (1, 128, 64, 4), (1, 128, 64, 8), (1, 64, 64, 4), (1, 64, 64, 2), (1, 32, 64, 2),
-    (1, 32, 64, 1), (2, 64, 64, 4), (1, 16, 64, 1),
+    (1, 32, 64, 1), (2, 64, 64, 4), (1, 16, 64, 1), (1, 8, 64, 1), (2, 16, 64, 1),
+    (2, 32, 64, 2),
 ]  # fmt: skip
 Q_CONFIGS = [None, (1, 128, 128, 8), (1, 64, 128, 4), (1, 32, 128, 2)]
 KV_CONFIGS = [
     None, (1, 128, 128, 8), (1, 64, 128, 8), (1, 64, 128, 4), (1, 32, 128, 4), (1, 32, 128, 2),
-    (1, 16, 128, 2),
+    (1, 16, 128, 2), (1, 16, 128, 1), (1, 16, 128, 4), (1, 8, 128, 1), (1, 8, 128, 2),
+    (2, 16, 128, 4), (2, 8, 128, 2),
 ]  # fmt: skip
 KV_BWD_CONFIGS = [
     None, (1, 16, 128, 2), (1, 8, 128, 1), (1, 16, 128, 4), (1, 32, 128, 2), (1, 32, 128, 4),
@@ -251,6 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = ceilings(device)
     print(f"{args.label} ceilings: " + ", ".join(f"{k} {v:.3f}" for k, v in ceiling.items()))
     rows = []
+    for case in args.cases.split(","):
+        # The thd cases' cu_seqlens search (its own kernel, launched by every thd call above).
+        positions, tokens = _positions(case, device)
+        if positions.cu_seqlens is not None:
+            x = torch.empty(*tokens, 1, 1, device=device)
+            us = _bench(lambda p=positions, x=x, t=tokens: position_args(p, x, (t[0], 1)))
+            rows.append(dict(op="cu_seqlens search", case=case, config="-", us=round(us, 1)))
+            print(f"{args.label} cu_seqlens search {case:8s} {us:8.1f} us", flush=True)
     for op in args.ops.split(","):
         for case in args.cases.split(","):
             for config in OPS[op][:1] if args.heuristic_only else OPS[op]:
