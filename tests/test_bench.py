@@ -291,3 +291,12 @@ def test_sweep_kv_bwd_pattern_copy_moves_the_kv_backwards_rows(device):
     sweep.kv_bwd_pattern_copy(dk, dv, dkv, rope=32, block_r=4, num_warps=1)
     assert torch.equal(dkv, torch.cat([dk[:, :16], dv], dim=-1))
     assert torch.equal(dk, dk_before)
+
+
+def test_sweep_search_configs_find_the_launch_paths_positions(device):
+    """Every search tiling the sweep times gives the launch path's positions (``search_call``
+    raises otherwise), padding and empty sequences included."""
+    sweep = pytest.importorskip("mlarope.sweep")
+    cu = torch.tensor([0, 3, 3, 10, 40, 41], dtype=torch.int32, device=device)
+    for block, warps in sweep.SEARCH_CONFIGS:
+        sweep.search_call(cu, 45, block, warps)()

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import Positions
-from .kernels._lookup import position_args
+from .kernels._lookup import _positions_launcher, position_args, search_steps
 from .kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
 from .kernels.q import QLaunchConfig, rope_q_launch
 from .yarn import YarnConfig
@@ -51,6 +51,8 @@ KV_BWD_CONFIGS = [
     None, (1, 16, 128, 2), (1, 8, 128, 1), (1, 16, 128, 4), (1, 32, 128, 2), (1, 32, 128, 4),
     (2, 16, 128, 4), (1, 64, 128, 8),
 ]  # fmt: skip
+# (tokens per program, num_warps) of the cu_seqlens search kernel.
+SEARCH_CONFIGS = [(256, 4), (128, 4), (128, 2), (64, 2), (64, 1), (32, 1)]
 OPS = {
     "q_inplace": Q_INPLACE_CONFIGS,
     "q": Q_CONFIGS,
@@ -117,6 +119,22 @@ def _call(op: str, case: str, config, device):
         kv, k_pe, k, v, cos, sin, positions, k_dim=K_DIM, interleaved_in=True,
         interleaved_out=False, config=cfg,
     )  # fmt: skip
+
+
+def search_call(cu: torch.Tensor, n_tokens: int, block: int, warps: int):
+    """The cu_seqlens search kernel alone with the given tile; checked against the launch
+    path's output before it is timed."""
+    n_seqs = cu.shape[0] - 1
+    found = torch.empty(n_tokens, dtype=torch.int64, device=cu.device)
+    run = lambda: _positions_launcher(
+        (triton.cdiv(n_tokens, block),), warps,
+        cu, found, n_tokens, n_seqs, search_steps(n_seqs), 0, 1, block,
+    )  # fmt: skip
+    run()
+    expected = position_args(Positions("thd", cu, None, 0, 1), found, (n_tokens, 1))[1][0]
+    if not torch.equal(found, expected):
+        raise AssertionError(f"search with ({block}, {warps}) differs from the launch path")
+    return run
 
 
 def _copy_tbps(numel: int, device) -> float:
@@ -260,8 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         if positions.cu_seqlens is not None:
             x = torch.empty(*tokens, 1, 1, device=device)
             us = _bench(lambda p=positions, x=x, t=tokens: position_args(p, x, (t[0], 1)))
-            rows.append(dict(op="cu_seqlens search", case=case, config="-", us=round(us, 1)))
-            print(f"{args.label} cu_seqlens search {case:8s} {us:8.1f} us", flush=True)
+            row = dict(op="cu_seqlens search", case=case, config="heuristic", us=round(us, 1))
+            rows.append(row)
+            print(f"{args.label} cu_seqlens search {case:8s} heuristic {us:8.1f} us", flush=True)
+            for block, warps in SEARCH_CONFIGS:
+                us = _bench(search_call(positions.cu_seqlens, tokens[0], block, warps))
+                label = f"({block}, {warps})"
+                rows.append(dict(op="cu_seqlens search", case=case, config=label, us=round(us, 1)))
+                print(f"{args.label} cu_seqlens search {case:8s} {label} {us:8.1f} us", flush=True)
     for op in args.ops.split(","):
         for case in args.cases.split(","):
             for config in OPS[op][:1] if args.heuristic_only else OPS[op]:

@@ -264,23 +264,26 @@ class KVLaunchConfig:
 
 
 _TILE_ELEMENTS = 8192
+# The forward's copy tile: 16 heads x 128 channels, 2 warps (32 elements a thread).
+_FORWARD_TILE_ELEMENTS = 2048
 
 
 @functools.lru_cache(maxsize=1024)
 def choose_kv_config(n_tokens: int, n_heads: int, channels: int) -> KVLaunchConfig:
     """Heuristic launch configuration of the forward (no autotuning).
 
-    All heads of a token in one program, up to 16384 elements per copy step (32 KiB of bf16),
-    8 warps: the launch-configuration sweep's fastest at DeepSeek-V3 shapes on the H200
-    (92-95 % of copy against 88-90 % for half that tile; docs/perf_log.md, v6). The rotated
-    ``k_pe`` row is computed once per token and shared by all its heads. ``channels`` is the
-    widest of K, V and R.
+    Small programs: 2048 elements per copy step (16 heads x 128 channels at DeepSeek-V3
+    shapes), then as many tokens as fill that, one warp per 1024 elements. With the head-major
+    grid (``_tiles``), the launch-configuration sweep on the H200 measured this at 92.3-95.5 %
+    of copy without ``copy_v`` and 92.6-95.3 % with it, against 88.2-93.8 % and 92.7-95.2 %
+    for all 128 heads in one 8-warp program, the best tile before that grid
+    (docs/perf_log.md, v8): many small programs hide the position / table chain of the thd
+    cases behind each other. ``channels`` is the widest of K, V and R.
     """
     block_c = min(next_power_of_2(channels), 128)
-    block_h = min(next_power_of_2(n_heads), max(1, 2 * _TILE_ELEMENTS // block_c))
-    block_t = min(next_power_of_2(n_tokens), max(1, 2 * _TILE_ELEMENTS // (block_h * block_c)))
-    tile = block_t * block_h * block_c
-    num_warps = 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
+    block_h = min(next_power_of_2(n_heads), max(1, _FORWARD_TILE_ELEMENTS // block_c))
+    block_t = min(next_power_of_2(n_tokens), max(1, _FORWARD_TILE_ELEMENTS // (block_h * block_c)))
+    num_warps = min(8, next_power_of_2(max(1, block_t * block_h * block_c // 1024)))
     return KVLaunchConfig(block_t, block_h, block_c, num_warps)
 
 
