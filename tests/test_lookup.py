@@ -108,7 +108,7 @@ def test_cu_seqlens_positions_match_spec(cp, case, cu_dtype, device):
 
 def test_case_shapes_reach_the_search_limits():
     """The cases above reach what they claim: 300 sequences need 3 search steps (over 256 = 16**2
-    sequences) and span more than one 256-token program; 5 need one step, 1 and ``[0]`` none."""
+    sequences) and span more than one search program; 5 need one step, 1 and ``[0]`` none."""
     for cp_size in (1, 2, 4):
         cu, n_tokens = lookup_case("300-seqs", cp_size)
         assert len(cu) - 1 == 300 and search_steps(300) == 3 and search_steps(256) == 2

@@ -91,7 +91,7 @@ def compile_report(fn, pointer_types: dict, constexprs: dict, num_warps: int, na
 def deepseek_v3_reports() -> list[KernelReport]:
     """The kernels with the launch configuration the heuristics pick at DeepSeek-V3 shapes
     (H = 128, N = 128, R = 64, K = V = 128, bf16, fp32 tables)."""
-    from .kernels._lookup import _SEARCH_BLOCK, _cu_seqlens_positions_kernel
+    from .kernels._lookup import _SEARCH_BLOCK, _SEARCH_WARPS, _cu_seqlens_positions_kernel
     from .kernels.kv import (
         _rope_kv_bwd_kernel,
         _rope_kv_fwd_kernel,
@@ -139,7 +139,7 @@ def deepseek_v3_reports() -> list[KernelReport]:
     reports.append(
         compile_report(
             _cu_seqlens_positions_kernel, {"cu_ptr": "*i32", "out_ptr": "*i64"},
-            {"BLOCK": _SEARCH_BLOCK}, 4, "thd positions (cu_seqlens search)",
+            {"BLOCK": _SEARCH_BLOCK}, _SEARCH_WARPS, "thd positions (cu_seqlens search)",
         )
     )  # fmt: skip
     return reports

@@ -52,7 +52,7 @@ KV_BWD_CONFIGS = [
     (2, 16, 128, 4), (1, 64, 128, 8),
 ]  # fmt: skip
 # (tokens per program, num_warps) of the cu_seqlens search kernel.
-SEARCH_CONFIGS = [(256, 4), (128, 4), (128, 2), (64, 2), (64, 1), (32, 1)]
+SEARCH_CONFIGS = [(256, 4), (128, 4), (64, 2), (32, 1), (16, 1)]
 OPS = {
     "q_inplace": Q_INPLACE_CONFIGS,
     "q": Q_CONFIGS,

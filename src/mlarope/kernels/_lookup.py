@@ -196,7 +196,12 @@ def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-_SEARCH_BLOCK = 256  # tokens per program of the position kernel ([256, 16] int64 per step)
+# Tokens per program of the position kernel, and its warps: many small programs. Each search
+# step gathers 16 entries per token; 256-token, 4-warp programs (64 for 16,384 tokens) left
+# most multiprocessors idle and took 17.3 µs at 4,096 sequences, 32-token one-warp programs
+# 9.3 µs (the sweep, run U on the H200; docs/perf_log.md, v8).
+_SEARCH_BLOCK = 32
+_SEARCH_WARPS = 1
 
 
 _positions_launcher = DirectLauncher(_cu_seqlens_positions_kernel)
@@ -223,7 +228,7 @@ def position_args(
         n_tokens = token_shape[0] * token_shape[1]
         found = torch.empty(n_tokens, dtype=torch.int64, device=x.device)
         _positions_launcher(
-            (-(-n_tokens // _SEARCH_BLOCK),), 4,
+            (-(-n_tokens // _SEARCH_BLOCK),), _SEARCH_WARPS,
             cu, found, n_tokens, n_seqs, search_steps(n_seqs), cp_rank, cp_size, _SEARCH_BLOCK,
         )  # fmt: skip
         return CU_SEQLENS, (found, 0, 0, n_seqs, cp_rank, cp_size)
