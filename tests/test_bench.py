@@ -281,16 +281,19 @@ def test_sweep_kv_pattern_copy_moves_the_kv_ops_elements(device):
 
 
 def test_sweep_kv_bwd_pattern_copy_moves_the_kv_backwards_rows(device):
-    """The sweep's key/value backward ceiling kernel writes ``dkv = [dk[:, :K], dv]`` and leaves
-    ``dk`` (whose rope channels it reads) unchanged."""
+    """The sweep's key/value backward ceiling kernel writes ``dkv = [dk[:, :K], dv]``, leaves
+    ``dk`` unchanged and uses its rope channels (their sum per row block), so the compiler
+    cannot drop their loads."""
     sweep = pytest.importorskip("mlarope.sweep")
     dk = torch.randn(7, 16 + 32, device=device)
     dv = torch.randn(7, 8, device=device)
     dk_before = dk.clone()
     dkv = torch.full((7, 16 + 8), float("nan"), device=device)
-    sweep.kv_bwd_pattern_copy(dk, dv, dkv, rope=32, block_r=4, num_warps=1)
+    sums = sweep.kv_bwd_pattern_copy(dk, dv, dkv, rope=32, block_r=4, num_warps=1)
     assert torch.equal(dkv, torch.cat([dk[:, :16], dv], dim=-1))
     assert torch.equal(dk, dk_before)
+    want = torch.stack([dk[:4, 16:].sum(0), dk[4:, 16:].sum(0)])
+    torch.testing.assert_close(sums, want, rtol=1e-6, atol=1e-6)
 
 
 def test_sweep_search_configs_find_the_launch_paths_positions(device):

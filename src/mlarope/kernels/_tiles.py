@@ -6,9 +6,10 @@ fastest: program ``p`` owns token block ``p // n_head_blocks`` and head block
 and run side by side, so every row of a token is read and written at about the same time. With
 token blocks fastest (a 2-D grid ``(token blocks, head blocks)``), the key/value backward's
 first head block, whose programs also read every head's rope slice for the head sum, ran as one
-wave ahead of the others, and each ``dk`` row was fetched from memory in two passes far apart
-in time: 89-91 % of the copy bandwidth against 98 % head-major, with the same bytes moved
-(Nsight Compute on the H200; docs/perf_log.md, v8).
+wave ahead of the others, so each ``dk`` row was read in two parts far apart in time: 89-91 %
+of the copy bandwidth against 97-99 % head-major. Nsight Compute on the H200 counted the same
+DRAM bytes both ways (1.34 GB read, 1.06 GB written) at 80.6 % against 86.7 % of the peak
+DRAM throughput (docs/perf_log.md, v8).
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """Triton kernels and launchers for the key/value op.
 
+Both run on the head-major 1-D grid of ``_tiles``: a token's head blocks are adjacent programs.
+
 Forward: one program owns ``BLOCK_T`` tokens x ``BLOCK_H`` heads. It rotates the tokens' shared
-``k_pe`` once (fp32, one rounding), writes it into every head's ``k[..., K:]``, and copies
-``kv[..., :K]`` into ``k`` and (``COPY_V``) ``kv[..., K:]`` into ``v``.
+``k_pe`` (fp32, one rounding; every head block of a token computes the same bits), writes it
+into each of its heads' ``k[..., K:]``, and copies ``kv[..., :K]`` into ``k`` and
+(``COPY_V``) ``kv[..., K:]`` into ``v``.
 
 Backward: the same tiling copies ``dk[..., :K]`` and ``dv`` into ``dkv``. The programs of the
 first head block also own their tokens' ``dk_pe``: the sum over *all* heads of ``dk[..., K:]``
@@ -293,11 +296,13 @@ def choose_kv_backward_config(
 ) -> KVLaunchConfig:
     """Heuristic launch configuration of the backward (no autotuning).
 
-    Small programs: 8 heads x 128 channels of copies, one warp. The sweep measured this
-    fastest at DeepSeek-V3 shapes on the H200 (89-91 % of copy; a 64-head, 8-warp tile: 73 %):
-    the programs of the first head block also sum their tokens' rope gradients over all heads,
-    and with many small programs those longer ones overlap with the others. ``block_t`` is also
-    capped so that the sum's chunk (16 heads x ``rope_dim`` per token) stays near 8192 elements.
+    Small programs: 8 heads x 128 channels of copies, one warp. The programs of the first head
+    block also sum their tokens' rope gradients over all heads; with the head-major grid they
+    run beside the same token's other programs, and many small programs let those longer ones
+    overlap with the rest. The sweep measured 96.5-98.7 % of copy at DeepSeek-V3 shapes on the
+    H200 (8, 16 or 32 heads per program within a point of each other; a 64-head, 8-warp tile:
+    73-75 %; docs/perf_log.md, v8). ``block_t`` is also capped so that the sum's chunk
+    (16 heads x ``rope_dim`` per token) stays near 8192 elements.
     """
     block_c = min(next_power_of_2(channels), 128)
     block_h = min(next_power_of_2(n_heads), max(1, 1024 // block_c))
