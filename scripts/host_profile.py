@@ -14,10 +14,7 @@ beside the allocations it makes.
 from __future__ import annotations
 
 import cProfile
-import gc
 import pstats
-import statistics
-import time
 
 import torch
 import triton
@@ -26,6 +23,7 @@ import triton.language as tl
 import mlarope
 from mlarope import _checks, _plans
 from mlarope._checks import Positions
+from mlarope.bench import host_us_per_call
 from mlarope.kernels import q as q_kernels
 from mlarope.kernels._launch import DirectLauncher
 from mlarope.kernels.kv import rope_kv_launch
@@ -38,19 +36,9 @@ def _empty(x_ptr, BLOCK: tl.constexpr):
 
 
 def per_call_us(fn, calls: int = 1000, repeats: int = 5) -> float:
-    """Median over ``repeats`` loops of wall-clock microseconds per call (one sync a loop)."""
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    gc.collect()
-    loops = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        loops.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(loops)
+    """The benchmark's host measurement (``mlarope.bench.host_us_per_call``), warmed up with
+    200 calls."""
+    return host_us_per_call(fn, torch.cuda.synchronize, calls, repeats, warmup=200)
 
 
 def main() -> None:

@@ -262,6 +262,32 @@ class Timing:
     method: str
 
 
+def host_us_per_call(
+    fn: Callable[[], object],
+    sync: Callable[[], object],
+    calls: int,
+    repeats: int = HOST_REPEATS,
+    warmup: int = 50,
+) -> float:
+    """Wall-clock microseconds per call of ``fn`` in a loop, one ``sync`` at the end: the
+    median of ``repeats`` such loops (single loops on the H200 machine's host varied by up to
+    10 us a call from one op to the next within a run). Python's cyclic garbage collector stays
+    on, as in a user's process, after one full collection, so that objects left by earlier
+    work are not collected inside this measurement."""
+    for _ in range(min(warmup, calls)):
+        fn()
+    sync()
+    gc.collect()
+    loops = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        loops.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(loops)
+
+
 def _quantiles(times: Sequence[float]) -> tuple[float, float, float]:
     t = torch.tensor(list(times), dtype=torch.float64)
     q = torch.quantile(t, torch.tensor(QUANTILES, dtype=torch.float64))
@@ -327,24 +353,8 @@ class CudaTimer:
         return Timing(*_quantiles(times), f"graph x{len(calls)}")
 
     def host_us(self, fn: Callable[[], object], calls: int | None = None) -> float:
-        """Wall-clock microseconds per call of ``fn`` in a loop, one sync at the end: the
-        median of ``HOST_REPEATS`` such loops (single loops on the H200 machine's host varied
-        by up to 10 us a call from one op to the next within a run). Python's cyclic garbage
-        collector stays on, as in a user's process, after one full collection, so that objects
-        left by earlier cases are not collected inside this measurement."""
-        calls = calls or self.host_calls
-        for _ in range(min(50, calls)):
-            fn()
-        self.sync()
-        gc.collect()
-        loops = []
-        for _ in range(HOST_REPEATS):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            self.sync()
-            loops.append((time.perf_counter() - t0) / calls * 1e6)
-        return statistics.median(loops)
+        """``host_us_per_call`` with this run's call count."""
+        return host_us_per_call(fn, self.sync, calls or self.host_calls)
 
     def host_floor(self) -> dict[str, float]:
         """What any launch costs on this host: a one-element torch op, an empty Triton kernel."""
