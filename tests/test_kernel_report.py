@@ -40,7 +40,9 @@ def test_no_register_spills(report):
         assert row["spill bytes"] == 0, f"{name} spills {row['spill bytes']} bytes"
 
 
-@pytest.mark.parametrize("name", ["q in place, sbhd", "q out of place, sbhd", "kv fwd"])
+@pytest.mark.parametrize(
+    "name", ["q in place, sbhd", "q out of place, sbhd", "kv fwd", "kv fwd, no copy_v"]
+)
 def test_rows_move_as_16_byte_vectors(report, name):
     row = report[name]
     assert row["ld.global.v4"] > 0 and row["st.global.v4"] == row["st.global"], row

@@ -46,7 +46,7 @@ def lookup_case(name: str, cp_size: int) -> tuple[list[int], int]:
         units, tail = [6], 2
     elif name == "five-seqs":
         units, tail = [2, 0, 1, 4, 1], 1
-    elif name == "300-seqs":  # 3 search steps, several 256-token programs
+    elif name == "300-seqs":  # 3 search steps, several search programs
         units = torch.randint(0, 4, (300,), generator=gen).tolist()
         tail = 5
     elif name == "300-seqs-no-tail":
@@ -92,7 +92,7 @@ def test_cu_seqlens_positions_match_spec(cp, case, cu_dtype, device):
     """The position kernel gives ``token_positions``' positions, and the padding marker for
     exactly the padding tokens, for every rank of cp_size 1, 2 and 4, int32 and int64
     ``cu_seqlens``, empty and one-token-per-chunk sequences, padded tails, 1 to 300 sequences
-    (0 to 3 search steps, up to four 256-token programs) and ``cu_seqlens == [0]``."""
+    (0 to 3 search steps, several search programs) and ``cu_seqlens == [0]``."""
     cp_size, cp_rank = cp
     cu_list, n_tokens = lookup_case(case, cp_size)
     cu = torch.tensor(cu_list, dtype=cu_dtype, device=device)

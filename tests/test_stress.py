@@ -25,6 +25,21 @@ def test_stress_runs_clean(tmp_path, device):
     assert summary["trials"] == 3 and summary["failed_trials"] == 0
 
 
+def test_stress_draws_and_checks_kv_without_copy_v(device):
+    """Key/value trials also run without ``copy_v`` (the forward's other code path), clean."""
+    import random
+
+    import torch
+
+    trials = [stress.draw_trial(random.Random(seed), small=True) for seed in range(200)]
+    kv_trials = [t for t in trials if t.op == "kv"]
+    assert {t.copy_v for t in kv_trials} == {True, False}
+    trial = next(t for t in kv_trials if not t.copy_v)
+    assert "copy_v=False" in stress.coverage_keys(trial)
+    gen = torch.Generator(device=device).manual_seed(0)
+    assert stress.run_kv_trial(trial, device, gen) == 0
+
+
 def test_stress_catches_a_wrong_kernel(tmp_path, device, monkeypatch):
     """A launcher that leaves one rope element unrotated must be counted as failing."""
     real_q, real_kv = stress.rope_q_launch, stress.rope_kv_launch

@@ -39,3 +39,8 @@ def test_geometry_reads_thd_and_4d_layouts():
     y = torch.empty(2, 5, 3, 24).transpose(0, 1)  # bshd viewed as sbhd
     assert geometry(y) == (5, 2, 3, 24, 72, 360, 24)
     assert cdiv(7, 2) == 4 and cdiv(8, 2) == 4 and cdiv(0, 3) == 0
+
+
+def test_tile_grid_refuses_more_programs_than_a_launch_takes():
+    with pytest.raises(ValueError, match="2147483648 programs"):
+        tile_grid(2**31, 1, 1, 1)

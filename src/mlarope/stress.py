@@ -55,6 +55,7 @@ class Trial:
     config: tuple | None
     seq_lens: tuple = ()
     variant: int = 0
+    copy_v: bool = True  # key/value op only
 
 
 def draw_trial(rng: random.Random, small: bool) -> Trial:
@@ -98,6 +99,7 @@ def draw_trial(rng: random.Random, small: bool) -> Trial:
         v_dim=v_dim, dtype=dtype, table_dtype=table_dtype, interleaved=interleaved,
         interleaved_out=interleaved_out, inverse=inverse, inplace=inplace, cp_size=cp_size,
         cp_rank=cp_rank, config=config, seq_lens=seq_lens, variant=variant_index,
+        copy_v=op == "q" or not inplace,  # the variant's in-place flag picks copy_v for kv
     )  # fmt: skip
 
 
@@ -201,7 +203,7 @@ def run_kv_trial(trial: Trial, device, gen) -> int:
     config = KVLaunchConfig(*trial.config) if trial.config else None
     il_in, il_out = trial.interleaved, trial.interleaved_out
     k = poisoned_like(kv, (*kv.shape[:-1], k_dim + trial.rope))
-    v = poisoned_like(kv, (*kv.shape[:-1], trial.v_dim))
+    v = poisoned_like(kv, (*kv.shape[:-1], trial.v_dim)) if trial.copy_v else None
     rope_kv_launch(
         kv, k_pe, k, v, cos, sin, positions, k_dim=k_dim, interleaved_in=il_in,
         interleaved_out=il_out, config=config,
@@ -212,10 +214,11 @@ def run_kv_trial(trial: Trial, device, gen) -> int:
     )  # fmt: skip
     x_rope = k_pe.double().unsqueeze(-2).expand(*kv.shape[:-1], trial.rope)
     wrong = _count(k, k_truth, x_rope, cos, sin, positions, dtype, il_in, il_out, k_dim)
-    wrong += int((v.double() != v_truth).sum())
+    if v is not None:
+        wrong += int((v.double() != v_truth).sum())
 
     dk = _randn(k.shape, dtype, device, gen)
-    dv = _randn(v.shape, dtype, device, gen)
+    dv = _randn((*kv.shape[:-1], trial.v_dim), dtype, device, gen)
     dkv = poisoned_like(kv)
     dk_pe = poisoned_like(k_pe)
     rope_kv_backward_launch(
@@ -300,7 +303,11 @@ def coverage_keys(trial: Trial) -> list[str]:
         f"rope={trial.rope}",
         f"heads={trial.heads}",
         f"interleaved={trial.interleaved}->{trial.interleaved_out}",
-    ] + ([f"inplace={trial.inplace}", f"inverse={trial.inverse}"] if trial.op == "q" else [])
+    ] + (
+        [f"inplace={trial.inplace}", f"inverse={trial.inverse}"]
+        if trial.op == "q"
+        else [f"copy_v={trial.copy_v}"]
+    )
 
 
 def plan_jobs(seed: int, trials: int, small: bool, chunk: int) -> list[tuple[int, ...]]:

@@ -52,7 +52,8 @@ KV_BWD_CONFIGS = [
     (2, 16, 128, 4), (1, 64, 128, 8),
 ]  # fmt: skip
 # (tokens per program, num_warps) of the cu_seqlens search kernel.
-SEARCH_CONFIGS = [(256, 4), (128, 4), (64, 2), (32, 1), (16, 1)]
+# Run U measured all but (16, 1) (added after it; not yet run on a GPU).
+SEARCH_CONFIGS = [(256, 4), (128, 4), (128, 2), (64, 2), (64, 1), (32, 1), (16, 1)]
 OPS = {
     "q_inplace": Q_INPLACE_CONFIGS,
     "q": Q_CONFIGS,
@@ -122,8 +123,9 @@ def _call(op: str, case: str, config, device):
 
 
 def search_call(cu: torch.Tensor, n_tokens: int, block: int, warps: int):
-    """The cu_seqlens search kernel alone with the given tile; checked against the launch
-    path's output before it is timed."""
+    """The cu_seqlens search kernel alone (``cu: [n + 1]`` int32 -> ``[n_tokens]`` int64
+    positions) with the given tile; checked against the launch path's output before it is
+    timed."""
     n_seqs = cu.shape[0] - 1
     found = torch.empty(n_tokens, dtype=torch.int64, device=cu.device)
     run = lambda: _positions_launcher(
@@ -174,7 +176,8 @@ def _copy_kv_bwd_pattern(dk_ptr, dv_ptr, dkv_ptr, sums_ptr, n_rows, K: tl.conste
     """The key/value backward's row bytes with the least arithmetic: for a block of (token,
     head) rows, ``dkv[r] = [dk[r, :K], dv[r]]``, and ``dk[r, K:]`` summed over the block into
     one fp32 row of ``sums`` (the head sum's input must be read: an unused load is dropped by
-    the compiler, as run S's first version of this kernel showed)."""
+    the compiler, as run S's first version of this kernel showed). K, V and R are powers of
+    two (``tl.arange``)."""
     pid = tl.program_id(0)
     r = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     m = (r < n_rows)[:, None]

@@ -1,6 +1,6 @@
 """How tensors and the launch grid map onto the kernels' tiles of tokens x heads.
 
-Every kernel runs on a 1-D grid of ``token blocks x head blocks`` programs, head blocks
+Every rotation kernel runs on a 1-D grid of ``token blocks x head blocks`` programs, head blocks
 fastest: program ``p`` owns token block ``p // n_head_blocks`` and head block
 ``p % n_head_blocks``. The programs of one token block are therefore adjacent in launch order
 and run side by side, so every row of a token is read and written at about the same time. With
@@ -26,10 +26,19 @@ def program_tile(n_head_blocks):
     return pid // n_head_blocks, pid % n_head_blocks
 
 
+MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on a grid's first dimension
+
+
 def tile_grid(n_tokens: int, block_t: int, n_heads: int, block_h: int) -> tuple[tuple[int], int]:
     """``((programs,), n_head_blocks)`` for ``program_tile``."""
     n_head_blocks = cdiv(n_heads, block_h)
-    return (cdiv(n_tokens, block_t) * n_head_blocks,), n_head_blocks
+    programs = cdiv(n_tokens, block_t) * n_head_blocks
+    if programs > MAX_PROGRAMS:
+        raise ValueError(
+            f"{n_tokens} tokens x {n_heads} heads in tiles of {block_t} x {block_h} need "
+            f"{programs} programs, more than one launch takes ({MAX_PROGRAMS}); use larger tiles"
+        )
+    return (programs,), n_head_blocks
 
 
 def cdiv(a: int, b: int) -> int:

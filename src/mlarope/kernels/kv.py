@@ -300,9 +300,10 @@ def choose_kv_backward_config(
     block also sum their tokens' rope gradients over all heads; with the head-major grid they
     run beside the same token's other programs, and many small programs let those longer ones
     overlap with the rest. The sweep measured 96.5-98.7 % of copy at DeepSeek-V3 shapes on the
-    H200 (8, 16 or 32 heads per program within a point of each other; a 64-head, 8-warp tile:
-    73-75 %; docs/perf_log.md, v8). ``block_t`` is also capped so that the sum's chunk
-    (16 heads x ``rope_dim`` per token) stays near 8192 elements.
+    H200 (8 or 16 heads at 1-4 warps and 32 heads at 4 warps within a point of each other;
+    32 heads at 2 warps 92.4-94.8 %, 64 heads at 8 warps 73-75 %; docs/perf_log.md, v8).
+    ``block_t`` is also capped so that the sum's chunk (16 heads x ``rope_dim`` per token)
+    stays near 8192 elements.
     """
     block_c = min(next_power_of_2(channels), 128)
     block_h = min(next_power_of_2(n_heads), max(1, 1024 // block_c))
