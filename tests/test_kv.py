@@ -826,19 +826,7 @@ def test_head_sum_order_on_padding_rows(heads, device):
     ``dk[..., K:]`` re-laid out, rounded once (fp32: exact), for head counts that exercise the
     16-head chunks, the -0.0 padding of missing heads and the chunk loop (a dropped, doubled or
     reordered chunk, or another tree, changes bits); real rows are held to the error model."""
-    case = Case(
-        layout="thd",
-        tokens=(PAD_TOKENS,),
-        source="cu",
-        cu=CU_EDGES,
-        heads=heads,
-        k_dim=16,
-        v_dim=16,
-        dtype=torch.float32,
-    )
-    inp = make_inputs(case, device)
-    kv, _, cos2d, sin2d, positions = checked(inp, case)
-    dk, dv, _ = make_grads(kv, case)
+    case, dk, dv, cos2d, sin2d, positions = padded_case(heads, torch.float32, device)
     dkv, dk_pe = backward(dk, dv, cos2d, sin2d, positions, case)
     check_backward(dk, dv, dkv, dk_pe, cos2d, sin2d, positions, case)
 
@@ -852,7 +840,7 @@ def test_head_sum_order_on_padding_rows(heads, device):
         assert not bitwise_equal(other, want), "test inputs too weak to tell summation orders"
 
 
-def zero_grads_case(heads: int, dtype, device):
+def padded_case(heads: int, dtype, device):
     """A padded thd batch (rows 13..19 are padding) -> (case, dk, dv, cos2d, sin2d, positions)."""
     case = Case(
         layout="thd",
@@ -881,7 +869,7 @@ def test_head_sum_of_negative_zeros_is_negative_zero(heads, dtype, device):
     """-0.0 is the head sum's identity (kernels/kv.py): an all -0.0 ``dk[..., K:]`` gives
     -0.0 ``dk_pe`` (sign bit set) on padding rows, where nothing is rotated. Fails if missing
     heads load as +0.0 or the sum starts from +0.0; every element of ``dk_pe`` is a zero."""
-    case, dk, dv, cos2d, sin2d, positions = zero_grads_case(heads, dtype, device)
+    case, dk, dv, cos2d, sin2d, positions = padded_case(heads, dtype, device)
     dk[..., case.k_dim :] = torch.tensor(-0.0, dtype=dtype, device=device)
     assert bool(torch.signbit(dk[..., case.k_dim :]).all())
     _, dk_pe = backward(dk, dv, cos2d, sin2d, positions, case)
@@ -896,7 +884,7 @@ def test_head_sum_of_positive_zeros_is_positive_zero(heads, dtype, device):
     """An all +0.0 ``dk[..., K:]``, and one that is -0.0 but for a single +0.0 head, give +0.0
     ``dk_pe`` on padding rows (IEEE round-to-nearest: -0.0 + +0.0 = +0.0): no head is dropped
     from the sum and no sign is invented. Every element of ``dk_pe`` is a zero."""
-    case, dk, dv, cos2d, sin2d, positions = zero_grads_case(heads, dtype, device)
+    case, dk, dv, cos2d, sin2d, positions = padded_case(heads, dtype, device)
     pad = slice(CU_EDGES[-1], None)
     mixed = torch.full((heads, 1), -0.0, dtype=dtype)
     mixed[heads // 2] = 0.0

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import Positions
-from .kernels._lookup import _positions_launcher, position_args, search_steps
+from .kernels._lookup import position_args, search_positions
 from .kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
 from .kernels.q import QLaunchConfig, rope_q_launch
 from .yarn import YarnConfig
@@ -126,12 +126,8 @@ def search_call(cu: torch.Tensor, n_tokens: int, block: int, warps: int):
     """The cu_seqlens search kernel alone (``cu: [n + 1]`` int32 -> ``[n_tokens]`` int64
     positions) with the given tile; checked against the launch path's output before it is
     timed."""
-    n_seqs = cu.shape[0] - 1
     found = torch.empty(n_tokens, dtype=torch.int64, device=cu.device)
-    run = lambda: _positions_launcher(
-        (triton.cdiv(n_tokens, block),), warps,
-        cu, found, n_tokens, n_seqs, search_steps(n_seqs), 0, 1, block,
-    )  # fmt: skip
+    run = lambda: search_positions(cu, found, 0, 1, block, warps)
     run()
     expected = position_args(Positions("thd", cu, None, 0, 1), found, (n_tokens, 1))[1][0]
     if not torch.equal(found, expected):

@@ -207,6 +207,19 @@ _SEARCH_WARPS = 1
 _positions_launcher = DirectLauncher(_cu_seqlens_positions_kernel)
 
 
+def search_positions(
+    cu: torch.Tensor, found: torch.Tensor, cp_rank: int, cp_size: int,
+    block: int = _SEARCH_BLOCK, warps: int = _SEARCH_WARPS,
+) -> None:  # fmt: skip
+    """Launch the search: ``cu: [n + 1]`` cu_seqlens -> ``found: [T]`` int64 positions
+    (``PADDING_POSITION`` past the last sequence), ``block`` tokens per program."""
+    n_tokens, n_seqs = found.shape[0], cu.shape[0] - 1
+    _positions_launcher(
+        (-(-n_tokens // block),), warps,
+        cu, found, n_tokens, n_seqs, search_steps(n_seqs), cp_rank, cp_size, block,
+    )  # fmt: skip
+
+
 def position_args(
     positions, x: torch.Tensor, token_shape: tuple[int, int]
 ) -> tuple[int, tuple[object, ...]]:
@@ -224,14 +237,9 @@ def position_args(
         return POSITION_IDS, (ids, strides[0], strides[1], 0, cp_rank, cp_size)
     if positions.cu_seqlens is not None:
         cu = positions.cu_seqlens
-        n_seqs = cu.shape[0] - 1
-        n_tokens = token_shape[0] * token_shape[1]
-        found = torch.empty(n_tokens, dtype=torch.int64, device=x.device)
-        _positions_launcher(
-            (-(-n_tokens // _SEARCH_BLOCK),), _SEARCH_WARPS,
-            cu, found, n_tokens, n_seqs, search_steps(n_seqs), cp_rank, cp_size, _SEARCH_BLOCK,
-        )  # fmt: skip
-        return CU_SEQLENS, (found, 0, 0, n_seqs, cp_rank, cp_size)
+        found = torch.empty(token_shape[0] * token_shape[1], dtype=torch.int64, device=x.device)
+        search_positions(cu, found, cp_rank, cp_size)
+        return CU_SEQLENS, (found, 0, 0, cu.shape[0] - 1, cp_rank, cp_size)
     if positions.layout == "bshd":
         return SEQ_DIM1, (x, 0, 0, token_shape[1], cp_rank, cp_size)
     return SEQ_DIM0, (x, 0, 0, token_shape[0], cp_rank, cp_size)
