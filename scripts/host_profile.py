@@ -68,7 +68,7 @@ def main() -> None:
     backend = real._backend
     mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids, inplace=True)
     q_signature = _plans.query_signature(
-        q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False
+        q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False, False
     )
     q_plan = _plans.find(q_signature)
     calls = {
@@ -96,7 +96,7 @@ def main() -> None:
         ),
         "q launch key (direct launcher)": lambda: key(backend, 0, *q_key_args),
         "q plan signature (query_signature)": lambda: _plans.query_signature(
-            q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False
+            q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False, False
         ),
         "q plan lookup (find: dict + guard)": lambda: _plans.find(q_signature),
         "q plan, in place (launch only)": lambda: q_plan((q, cos, sin, ids)),

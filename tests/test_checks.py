@@ -347,6 +347,14 @@ CASES = [
     ),
     case("inverse-str", lambda op: {"inverse": "no"}, TypeError, "inverse", "'no'", ops=Q_ONLY),
     case("inplace-str", lambda op: {"inplace": "yes"}, TypeError, "inplace", "'yes'", ops=Q_ONLY),
+    case(
+        "inplace_backward-none",
+        lambda op: {"inplace_backward": None},
+        TypeError,
+        "inplace_backward",
+        "None",
+        ops=Q_ONLY,
+    ),
     case("copy_v-int", lambda op: {"copy_v": 0}, TypeError, "copy_v", "0 (int)", ops=KV_ONLY),
     case("validate-int", lambda op: {"validate": 1}, TypeError, "validate", "1 (int)"),
     # --- kv and k_pe -------------------------------------------------------------------------

@@ -124,6 +124,8 @@ def test_plan_never_skips_a_check(device):
         mlarope.apply_rope_q(q, cos, sin, interleaved=1, **kw)
     with pytest.raises(TypeError, match="inplace must be a bool"):
         mlarope.apply_rope_q(q, cos, sin, inplace=0, **kw)
+    with pytest.raises(TypeError, match="inplace_backward must be a bool"):
+        mlarope.apply_rope_q(q, cos, sin, inplace_backward=1, **kw)
     with pytest.raises(TypeError, match="cp_rank must be an int"):
         mlarope.apply_rope_q(q, cos, sin, cp_rank=False, **kw)
     with pytest.raises(TypeError, match="validate must be a bool"):

@@ -245,6 +245,108 @@ def test_q_public_api_autograd(inplace, device):
     assert torch.equal(leaf.grad, expected)
 
 
+INPLACE_BACKWARD_CASES = [
+    Case(layout="thd", tokens=(15,), source="cu"),
+    Case(layout="sbhd", tokens=(5, 2), interleaved=False, interleaved_out=True, inverse=True),
+    Case(layout="bshd", tokens=(2, 3), source="ids", rope=32, dtype=torch.float16),
+]
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("case", INPLACE_BACKWARD_CASES, ids=["thd-cu", "sbhd-layouts", "ids"])
+def test_q_inplace_backward_rotates_the_gradient_in_place(case, inplace, device):
+    """``inplace_backward=True``: the gradient of ``q`` is the incoming gradient tensor itself,
+    rotated in place, bitwise equal to the default (out-of-place) backward, which leaves the
+    incoming gradient untouched."""
+    q0, cos, sin, kwargs = make_inputs(case, device)
+    flags = dict(interleaved=case.interleaved, interleaved_out=case.interleaved_out)
+    flags.update(inverse=case.inverse, inplace=inplace, **kwargs)
+    g0 = torch.randn(q0.shape, device=device).to(q0.dtype)
+    grads = {}
+    for inplace_backward in (False, True):
+        leaf = q0.clone().requires_grad_(True)
+        x = leaf * 1 if inplace else leaf
+        out = mlarope.apply_rope_q(x, cos, sin, inplace_backward=inplace_backward, **flags)
+        g = g0.clone()
+        (dq,) = torch.autograd.grad(out, leaf, g)
+        if inplace_backward:
+            assert torch.equal(g.nan_to_num(7), dq.nan_to_num(7)), "g itself is rotated"
+            if not inplace:  # no op between the leaf and ours: autograd returns our tensor
+                assert dq.data_ptr() == g.data_ptr()
+        else:
+            assert torch.equal(g, g0), "the default backward leaves the gradient as it was"
+            assert dq.data_ptr() != g.data_ptr()
+        grads[inplace_backward] = dq.clone()
+    assert torch.equal(grads[True].nan_to_num(7), grads[False].nan_to_num(7))
+    _, cos2d, sin2d, positions = checked(q0, cos, sin, case, kwargs)
+    expected = launch(g0, cos2d, sin2d, positions, case, transpose=True)
+    assert torch.equal(grads[True].nan_to_num(7), expected.nan_to_num(7))
+
+
+@pytest.mark.parametrize("how", ["broadcast", "slice", "transposed"])
+def test_q_inplace_backward_falls_back_for_gradients_it_cannot_own(how, device):
+    """A broadcast gradient (``out.sum()``'s) or a strided slice of a wider tensor is not
+    rotated in place: the backward writes a new tensor, with the same values. A dense permuted
+    gradient is rotated in place."""
+    case = Case(layout="thd", tokens=(15,), source="cu", dtype=torch.float32)
+    q0, cos, sin, kwargs = make_inputs(case, device)
+    width = case.nope + case.rope
+    if how == "broadcast":
+        g = torch.randn(1, 1, width, device=device).expand(15, case.heads, width)
+    elif how == "slice":
+        g = torch.randn(15, case.heads, width + 5, device=device)[..., :width]
+    else:
+        g = torch.randn(case.heads, 15, width, device=device).transpose(0, 1)
+    g_before = g.clone()
+    results = []
+    for inplace_backward in (False, True):
+        leaf = q0.clone().requires_grad_(True)
+        out = mlarope.apply_rope_q(leaf, cos, sin, inplace_backward=inplace_backward, **kwargs)
+        (dq,) = torch.autograd.grad(out, leaf, g)
+        results.append(dq.clone())
+        if how != "transposed" or not inplace_backward:
+            assert torch.equal(g, g_before)
+            assert dq.data_ptr() != g.data_ptr()
+        else:
+            assert dq.data_ptr() == g.data_ptr()
+    assert torch.equal(results[0], results[1])
+
+
+def test_q_inplace_backward_dense_test():
+    """``_grad_rotatable_in_place``: dense and non-overlapping in any dim order, not a graph
+    tensor."""
+    from mlarope.ops import _grad_rotatable_in_place
+
+    x = torch.zeros(4, 3, 8)
+    assert _grad_rotatable_in_place(x)
+    assert _grad_rotatable_in_place(x.transpose(0, 1))
+    assert _grad_rotatable_in_place(torch.zeros(4, 1, 8)[:, :, :])
+    assert not _grad_rotatable_in_place(x[:, :, :6])
+    assert not _grad_rotatable_in_place(x[:, :1].expand(4, 3, 8))
+    assert not _grad_rotatable_in_place(torch.zeros(48).as_strided((4, 3, 8), (8, 8, 1)))
+    assert not _grad_rotatable_in_place(x.clone().requires_grad_(True))
+
+
+def test_q_inplace_backward_compiled(device):
+    """Compiled, ``inplace_backward`` changes nothing: the backward is out of place and the
+    gradients equal eager's."""
+    case = Case(layout="thd", tokens=(15,), source="cu", dtype=torch.float32)
+    q0, cos, sin, kwargs = make_inputs(case, device)
+
+    def f(q):
+        return mlarope.apply_rope_q(q * 1, cos, sin, inplace=True, inplace_backward=True, **kwargs)
+
+    torch._dynamo.reset()
+    q1 = q0.clone().requires_grad_(True)
+    q2 = q0.clone().requires_grad_(True)
+    g = torch.randn(q0.shape, device=device)
+    g_before = g.clone()
+    torch.compile(f, fullgraph=True)(q2).backward(g)
+    assert torch.equal(g, g_before)
+    f(q1).backward(g.clone())
+    assert torch.equal(q1.grad, q2.grad)
+
+
 def test_q_inplace_caught_by_version_counter(device):
     leaf = torch.randn(4, 2, 3, 16 + 32, device=device, requires_grad=True)
     cos, sin = random_tables(8, 32, torch.float32, device)

@@ -47,6 +47,7 @@ def apply_rope_q(
     interleaved_out: bool = False,
     inverse: bool = False,
     inplace: bool = False,
+    inplace_backward: bool = False,
     validate: bool = False,
 ) -> torch.Tensor:
     """Rotate the rope channels of the queries (MLA query op).
@@ -67,6 +68,14 @@ def apply_rope_q(
         interleaved_out: write the pairs interleaved (True) or half-split (False, default).
         inverse: rotate by the opposite angle.
         inplace: overwrite the rope channels of ``q`` and return ``q`` (declared to autograd).
+        inplace_backward: the backward rotates the rope channels of the incoming gradient in
+            place and returns that tensor as ``q``'s gradient, as Megatron-Core does: it moves
+            ``2 R`` instead of ``2 (N + R)`` elements per row. Only safe when no other op holds
+            that gradient (``q`` feeds one attention kernel); wrong when the output also feeds,
+            say, an addition, whose backward hands the same tensor to both branches, or when
+            you pass your own ``gradient`` and use it afterwards. Falls back to out of place
+            for a broadcast or overlapping gradient, for double backward and when compiling.
+            Default False: the backward writes a new tensor (docs/semantics.md).
         validate: check device data (positions against the table, ``cu_seqlens`` well formed),
             raising ``ValueError``; costs a device sync. Also on with ``MLAROPE_VALIDATE=1``.
             Without it an out-of-range row comes out as NaN.
@@ -76,7 +85,7 @@ def apply_rope_q(
     """
     signature = _plans.query_signature(
         q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
-        interleaved_out, inverse, inplace, validate,
+        interleaved_out, inverse, inplace, inplace_backward, validate,
     )  # fmt: skip
     plan = _plans.find(signature)
     if plan.__class__ is _plans.Plan:  # a repeated eager call (_plans)
@@ -92,6 +101,7 @@ def apply_rope_q(
     )  # fmt: skip
     if _checks.check_bool("inplace", inplace):
         _checks.check_inplace_target("q", q)
+    _checks.check_bool("inplace_backward", inplace_backward)
     if _checks.validation_requested(validate):
         _checks.check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])
     args = (
@@ -104,9 +114,9 @@ def apply_rope_q(
         # input dirty passed the gradient through unrotated (docs/semantics.md). The same values
         # and gradients, bit for bit; it moves whole rows twice (about 4 (N + R) elements per
         # row instead of 2 R) unless Inductor fuses the copy.
-        return q.copy_(RopeQFunction.apply(q, *args, False))
+        return q.copy_(RopeQFunction.apply(q, *args, False, False))
     if _needs_autograd(q) or torch.compiler.is_compiling():
-        return RopeQFunction.apply(q, *args, inplace)
+        return RopeQFunction.apply(q, *args, inplace, inplace_backward)
     with _recording(signature if plan is _plans.MISSING else None) as launches:
         if inplace:
             rope_q_inplace_impl(q, *args, False)

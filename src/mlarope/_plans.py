@@ -97,7 +97,7 @@ def _plain_call(
 
 def query_signature(
     q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
-    interleaved_out, inverse, inplace, validate,
+    interleaved_out, inverse, inplace, inplace_backward, validate,
 ) -> tuple[tuple, tuple] | None:  # fmt: skip
     """``(key, tensors)`` of an ``apply_rope_q`` call, or None if it cannot have a plan: only plain
     eager calls get one (no validation, no autograd, no compile tracing; plain tensors)."""
@@ -107,6 +107,7 @@ def query_signature(
         )
         or (inverse is not True and inverse is not False)
         or (inplace is not True and inplace is not False)
+        or (inplace_backward is not True and inplace_backward is not False)
     ):
         return None
     tensors = (q, cos, sin) if position_ids is None else (q, cos, sin, position_ids)

@@ -91,7 +91,9 @@ class OpSpec:
 
 OPS: tuple[OpSpec, ...] = (
     OpSpec("q_inplace_fwd", "q", "fwd", "q in place fwd", inplace=True),
-    OpSpec("q_inplace_bwd", "q", "bwd", "q in place bwd", inplace=True),
+    # With inplace_backward=True, as Megatron-Core's (and the reference's) in-place backward;
+    # the default backward of the in-place op is the out-of-place row's kernel.
+    OpSpec("q_inplace_bwd", "q", "bwd", "q in place bwd (grad in place)", inplace=True),
     OpSpec("q_fwd", "q", "fwd", "q out of place fwd"),
     OpSpec("q_bwd", "q", "bwd", "q out of place bwd"),
     OpSpec("kv_fwd", "kv", "fwd", "kv fwd (copy_v)", target=0.92),
@@ -571,10 +573,12 @@ class Builders:
         # tables are [P, R] fp32 and the positions are already in the kernels' form.
         p = (pos.cos, pos.sin, pos.cu_seqlens, pos.position_ids, pos.layout, 0, 1)
         if spec.op == "q":
-            # The forward kernel with transpose=True and the interleaving flags swapped.
-            # The in-place op's backward is out of place too (a shared gradient must not be
-            # rotated in place; docs/semantics.md), so both rows time the same kernel; the
-            # in-place row keeps DESIGN.md's in-place bytes model, which it cannot reach.
+            # The forward kernel with transpose=True and the interleaving flags swapped. The
+            # in-place row rotates the gradient in place: the backward of apply_rope_q(...,
+            # inplace_backward=True). Without it, the backward is the out-of-place row's kernel
+            # (a shared gradient must not be rotated in place; docs/semantics.md).
+            if spec.inplace:
+                return lambda: ops.rope_q_inplace_impl(inp.x, *p, False, True, False, True)
             return lambda: ops.rope_q_impl(inp.x, *p, False, True, False, True)
         return lambda: ops.rope_kv_backward_impl(inp.dk, inp.dv, *p, d.k_dim, True, False)
 

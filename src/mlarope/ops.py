@@ -209,14 +209,20 @@ def _kv_backward(*args) -> tuple[Tensor, Tensor]:
 # ------------------------------------------------------------------------------- autograd
 class RopeQFunction(torch.autograd.Function):
     """Query op with autograd. The backward is the same kernel with ``transpose=True`` and the
-    input and output layouts swapped. It is out of place for the in-place op too: the incoming
-    gradient may be shared (``a + b`` hands one tensor to both branches; ``z.backward(g)`` hands
-    the caller's ``g``), so rotating it in place, as Megatron-Core does, can corrupt another
-    branch's gradient. That costs the nope channels' bytes; see docs/semantics.md."""
+    input and output layouts swapped. By default it is out of place, for the in-place op too:
+    the incoming gradient may be shared (``a + b`` hands one tensor to both branches;
+    ``z.backward(g)`` hands the caller's ``g``), so rotating it in place, as Megatron-Core does,
+    can corrupt another branch's gradient. That costs the nope channels' bytes.
+
+    With ``inplace_backward`` the caller vouches that nothing else holds the gradient (``q``
+    feeds one attention kernel), and an eager backward rotates the gradient's rope channels in
+    place and returns it: ``2 R`` instead of ``2 (N + R)`` elements a row. It falls back to out
+    of place where that is not possible (``_grad_rotatable_in_place``) and when compiling.
+    See docs/semantics.md."""
 
     @staticmethod
     def forward(ctx, q, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size,
-                interleaved, interleaved_out, inverse, inplace):  # fmt: skip
+                interleaved, interleaved_out, inverse, inplace, inplace_backward):  # fmt: skip
         args = (cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size)
         if inplace:
             _q_inplace(q, *args, interleaved, interleaved_out, inverse, False)
@@ -226,6 +232,7 @@ class RopeQFunction(torch.autograd.Function):
             out = _q(q, *args, interleaved, interleaved_out, inverse, False)
         ctx.save_for_backward(cos, sin, cu_seqlens, position_ids)
         ctx.flags = (layout, cp_rank, cp_size, interleaved, interleaved_out, inverse)
+        ctx.inplace_backward = inplace_backward
         return out
 
     @staticmethod
@@ -237,8 +244,29 @@ class RopeQFunction(torch.autograd.Function):
         grad = grad.resolve_neg()
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
+        if ctx.inplace_backward and _grad_rotatable_in_place(grad):
+            _q_inplace(grad, *args, interleaved_out, interleaved, inverse, True)
+            return (grad,) + (None,) * 12
         dq = _q(grad, *args, interleaved_out, interleaved, inverse, True)
-        return (dq,) + (None,) * 11
+        return (dq,) + (None,) * 12
+
+
+def _grad_rotatable_in_place(grad: Tensor) -> bool:
+    """Whether the backward may rotate ``grad`` in place (given ``inplace_backward``): in eager
+    mode (compiled, the custom op would be functionalized into a copy anyway), not a tensor of
+    a double-backward graph, and every element its own memory, dense and non-overlapping (a
+    broadcast gradient, such as ``out.sum()``'s, is not). The caller made the last dim
+    contiguous and resolved a lazy negation (a new tensor, then)."""
+    if _compiling() or grad.requires_grad:
+        return False
+    expected = 1
+    for size, stride in sorted(zip(grad.shape, grad.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class RopeKVFunction(torch.autograd.Function):
