@@ -230,6 +230,7 @@ def test_cpu_smoke_writes_table_json_markdown_and_plot(tmp_path, capsys, monkeyp
         assert r["pct_copy"] > 0
         decode_fwd = r["case"].startswith("decode") and r["direction"] == "fwd"
         assert (r["host_us"] is not None) == decode_fwd, r
+        assert (r["host_floor_us"] is not None) == decode_fwd, r
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "bench.md").read_text()
     assert md.startswith("| case | op | MB | mlarope us (% copy) | reference us (% copy) |")
