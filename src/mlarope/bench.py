@@ -5,8 +5,9 @@ bf16), every case x op x implementation:
 
 - the ceiling: a device-to-device copy of a large bf16 tensor (bytes = read + write);
 - ``mlarope``: the public API for the forwards, the op-level backward functions of
-  :mod:`mlarope.ops` for the backwards (``rope_q_impl`` with
-  ``transpose=True``, ``rope_kv_backward_impl``), so only the kernel is timed;
+  :mod:`mlarope.ops` for the backwards (``rope_q_impl`` / ``rope_q_inplace_impl`` with
+  ``transpose=True``, the latter what ``inplace_backward=True`` runs;
+  ``rope_kv_backward_impl``), so only the kernel is timed;
 - ``reference``: :mod:`mlarope.reference` in eager mode (its forward, and its hand-written
   transpose for the backward: the same functions the CPU backend runs);
 - ``compile``: the same reference functions under ``torch.compile``;
