@@ -325,16 +325,22 @@ def test_q_inplace_backward_dense_test():
     assert not _grad_rotatable_in_place(x[:, :1].expand(4, 3, 8))
     assert not _grad_rotatable_in_place(torch.zeros(48).as_strided((4, 3, 8), (8, 8, 1)))
     assert not _grad_rotatable_in_place(x.clone().requires_grad_(True))
+    with torch.inference_mode():
+        made_in_inference = torch.zeros(4, 3, 8)
+    assert not _grad_rotatable_in_place(made_in_inference)
 
 
-def test_q_inplace_backward_compiled(device):
+@pytest.mark.parametrize("inplace", [False, True])
+def test_q_inplace_backward_compiled(inplace, device):
     """Compiled, ``inplace_backward`` changes nothing: the backward is out of place and the
     gradients equal eager's."""
     case = Case(layout="thd", tokens=(15,), source="cu", dtype=torch.float32)
     q0, cos, sin, kwargs = make_inputs(case, device)
 
     def f(q):
-        return mlarope.apply_rope_q(q * 1, cos, sin, inplace=True, inplace_backward=True, **kwargs)
+        return mlarope.apply_rope_q(
+            q * 1, cos, sin, inplace=inplace, inplace_backward=True, **kwargs
+        )
 
     torch._dynamo.reset()
     q1 = q0.clone().requires_grad_(True)

@@ -106,7 +106,7 @@ def deepseek_v3_reports() -> list[KernelReport]:
     q_ptrs = {"x_ptr": "*bf16", "out_ptr": "*bf16", **tables}
     for mode, label in ((0, "sbhd"), (2, "thd cu_seqlens")):
         for inplace in (True, False):
-            qc = choose_q_config(16384, 128, 128, 64, inplace, mode == 2)
+            qc = choose_q_config(16384, 128, 128, 64, inplace)
             consts = dict(
                 POS_MODE=mode, HALF=32, BLOCK_T=qc.block_t, BLOCK_H=qc.block_h,
                 BLOCK_N=qc.block_n, INTERLEAVED_IN=True, INTERLEAVED_OUT=False, INVERSE=False,

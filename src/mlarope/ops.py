@@ -254,10 +254,11 @@ class RopeQFunction(torch.autograd.Function):
 def _grad_rotatable_in_place(grad: Tensor) -> bool:
     """Whether the backward may rotate ``grad`` in place (given ``inplace_backward``): in eager
     mode (compiled, the custom op would be functionalized into a copy anyway), not a tensor of
-    a double-backward graph, and every element its own memory, dense and non-overlapping (a
-    broadcast gradient, such as ``out.sum()``'s, is not). The caller made the last dim
+    a double-backward graph, not an inference tensor (PyTorch forbids writing one outside
+    inference mode), and every element its own memory, dense and non-overlapping (a broadcast
+    gradient, such as ``out.sum()``'s, is not). The caller made the last dim
     contiguous and resolved a lazy negation (a new tensor, then)."""
-    if _compiling() or grad.requires_grad:
+    if _compiling() or grad.requires_grad or grad.is_inference():
         return False
     expected = 1
     for size, stride in sorted(zip(grad.shape, grad.stride(), strict=True), key=lambda d: d[1]):

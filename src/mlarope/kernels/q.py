@@ -152,28 +152,28 @@ class QLaunchConfig:
 # Elements of the rope tile one program moves. Memory-bound: enough bytes per program to keep
 # many loads in flight (8192 bf16 = 16 KiB in, 16 KiB out), few enough to avoid register spills.
 _TILE_ELEMENTS = 8192
+# In place only the rope channels move, and small one-warp programs were fastest in every case:
+# 16 heads x 64 channels gained 2-4 µs over 4,096-8,192-element tiles at sbhd and at 64-4,096
+# sequences, and 12-14 µs with 1 or 4 sequences, whose distinct table rows miss the L2 (the
+# H200, run AA; docs/perf_log.md, v10).
+_INPLACE_TILE_ELEMENTS = 1024
 
 
 @functools.lru_cache(maxsize=1024)
 def choose_q_config(
-    n_tokens: int,
-    n_heads: int,
-    n_nope: int,
-    rope_dim: int,
-    inplace: bool = False,
-    loaded_positions: bool = False,
+    n_tokens: int, n_heads: int, n_nope: int, rope_dim: int, inplace: bool = False
 ) -> QLaunchConfig:
     """Heuristic launch configuration (no run-time autotuning; the reason is in the comments).
 
-    All heads of a token in one program when they fit the tile (DeepSeek-V3: 128 heads x 64 =
-    8192), so the position lookup and the table rows are shared by as many heads as possible;
-    then as many tokens as fill the tile, for small head counts (tensor parallel shards). The
-    warp counts and, in place with loaded positions (thd, position_ids), the half-size tile
-    are what the launch-configuration sweep measured fastest at DeepSeek-V3 shapes on the H200
-    (``python -m mlarope.sweep``; docs/perf_log.md, v6): in place moves only the rope channels,
-    and 4 warps per 8192-element tile (2 per 4096) beat 8.
+    Out of place: all heads of a token in one program when they fit the tile (DeepSeek-V3: 128
+    heads x 64 = 8192), so the position lookup and the table rows are shared by as many heads
+    as possible; then as many tokens as fill the tile, for small head counts (tensor parallel
+    shards). In place: 1,024-element one-warp programs (16 heads at R = 64). Both are what the
+    launch-configuration measurements found fastest at DeepSeek-V3 shapes on the H200
+    (``python -m mlarope.sweep``, ``scripts/q_inplace_layouts.py``; docs/perf_log.md, v6 and
+    v10).
     """
-    tile_elements = _TILE_ELEMENTS // 2 if inplace and loaded_positions else _TILE_ELEMENTS
+    tile_elements = _INPLACE_TILE_ELEMENTS if inplace else _TILE_ELEMENTS
     block_h = min(next_power_of_2(n_heads), max(1, tile_elements // rope_dim))
     block_t = min(next_power_of_2(n_tokens), max(1, tile_elements // (block_h * rope_dim)))
     # The nope copy (out of place) in blocks of up to 128 channels, at most twice the tile.
@@ -183,7 +183,7 @@ def choose_q_config(
     tile = block_t * block_h * rope_dim
     num_warps = 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
     if inplace:
-        num_warps = max(1, num_warps // 2)
+        num_warps = max(1, tile // _INPLACE_TILE_ELEMENTS)
     return QLaunchConfig(block_t, block_h, block_n, num_warps)
 
 
@@ -212,10 +212,7 @@ def rope_q_launch(
     if n_tokens == 0 or n_heads == 0:
         return
     inplace = out is x or out.data_ptr() == x.data_ptr()
-    loaded_positions = positions.cu_seqlens is not None or positions.position_ids is not None
-    config = config or choose_q_config(
-        n_tokens, n_heads, n_nope, rope_dim, inplace, loaded_positions
-    )
+    config = config or choose_q_config(n_tokens, n_heads, n_nope, rope_dim, inplace)
     grid, n_head_blocks = tile_grid(n_tokens, config.block_t, n_heads, config.block_h)
     pos_mode, pos_args = position_args(positions, x, (d0, d1))
     _launch_q(
