@@ -27,7 +27,7 @@ from mlarope.kernels.q import QLaunchConfig, choose_q_config, rope_q_launch
 TOKENS, HEADS, NOPE, ROPE = 16384, 128, 128, 64
 # (block_t, block_h, block_n, num_warps) candidates beside the heuristic: the heuristic of
 # runs Y-Z, (1, 64, 64, 2) with loaded positions and (1, 128, 64, 4) without, and the best of
-# the sweep of run L.
+# the sweep of run Z5 (docs/perf_log.md, v10).
 CONFIGS = [(1, 32, 64, 1), (1, 16, 64, 1), (1, 64, 64, 1), (1, 64, 64, 2), (1, 128, 64, 4)]
 
 

@@ -72,9 +72,11 @@ def apply_rope_q(
             place and returns that tensor as ``q``'s gradient, as Megatron-Core does: it moves
             ``2 R`` instead of ``2 (N + R)`` elements per row. Only safe when no other op holds
             that gradient (``q`` feeds one attention kernel); wrong when the output also feeds,
-            say, an addition, whose backward hands the same tensor to both branches, or when
-            you pass your own ``gradient`` and use it afterwards. Falls back to out of place
-            for a broadcast or overlapping gradient, for double backward and when compiling.
+            say, an addition, whose backward hands the same tensor to both branches, when a
+            hook keeps the gradient, or when you pass your own ``gradient`` (or a tensor it is
+            a slice of, as ``torch.cat``'s backward hands out) and use it afterwards. Falls back
+            to out of place for a broadcast, overlapping or inference-mode gradient, for double
+            backward and when compiling.
             Default False: the backward writes a new tensor (docs/semantics.md).
         validate: check device data (positions against the table, ``cu_seqlens`` well formed),
             raising ``ValueError``; costs a device sync. Also on with ``MLAROPE_VALIDATE=1``.

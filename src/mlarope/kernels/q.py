@@ -155,7 +155,7 @@ _TILE_ELEMENTS = 8192
 # In place only the rope channels move, and small one-warp programs were fastest in every case:
 # 16 heads x 64 channels gained 2-4 µs over 4,096-8,192-element tiles at sbhd and at 64-4,096
 # sequences, and 12-14 µs with 1 or 4 sequences, whose distinct table rows miss the L2 (the
-# H200, run AA; docs/perf_log.md, v10).
+# H200, runs Z5 and Z6; docs/perf_log.md, v10).
 _INPLACE_TILE_ELEMENTS = 1024
 
 
