@@ -18,26 +18,14 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import time
 
 import torch
 
 from mlarope import bench
 
 
-def loops(fn, sync, calls: int = 1000, repeats: int = 5) -> list[float]:
-    for _ in range(50):
-        fn()
-    sync()
-    gc.collect()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return out
+def loops(fn, sync) -> list[float]:
+    return bench.host_loops(fn, sync, calls=1000, repeats=5)
 
 
 def show(label: str, values: list[float]) -> None:

@@ -274,9 +274,20 @@ def host_us_per_call(
 ) -> float:
     """Wall-clock microseconds per call of ``fn`` in a loop, one ``sync`` at the end: the
     median of ``repeats`` such loops (single loops on the H200 machine's host varied by up to
-    10 us a call from one op to the next within a run). Python's cyclic garbage collector stays
-    on, as in a user's process, after one full collection, so that objects left by earlier
-    work are not collected inside this measurement."""
+    10 us a call from one op to the next within a run)."""
+    return statistics.median(host_loops(fn, sync, calls, repeats, warmup))
+
+
+def host_loops(
+    fn: Callable[[], object],
+    sync: Callable[[], object],
+    calls: int,
+    repeats: int = HOST_REPEATS,
+    warmup: int = 50,
+) -> list[float]:
+    """Microseconds per call of each of ``repeats`` loops of ``calls`` calls. Python's cyclic
+    garbage collector stays on, as in a user's process, after one full collection, so that
+    objects left by earlier work are not collected inside this measurement."""
     for _ in range(min(warmup, calls)):
         fn()
     sync()
@@ -288,7 +299,7 @@ def host_us_per_call(
             fn()
         sync()
         loops.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(loops)
+    return loops
 
 
 def _quantiles(times: Sequence[float]) -> tuple[float, float, float]:
