@@ -283,6 +283,29 @@ def test_q_inplace_backward_rotates_the_gradient_in_place(case, inplace, device)
     assert torch.equal(grads[True].nan_to_num(7), expected.nan_to_num(7))
 
 
+def test_q_inplace_backward_on_the_reference_backend(device):
+    """float64 runs the PyTorch reference: ``inplace_backward`` rotates the gradient in place
+    there too, with the default backward's values, and double backward falls back."""
+    case = Case(layout="thd", tokens=(15,), source="cu", dtype=torch.float64)
+    q0, cos, sin, kwargs = make_inputs(case, device)
+    g0 = torch.randn(q0.shape, dtype=torch.float64, device=device)
+    grads = []
+    for inplace_backward in (False, True):
+        leaf = q0.clone().requires_grad_(True)
+        out = mlarope.apply_rope_q(leaf, cos, sin, inplace_backward=inplace_backward, **kwargs)
+        g = g0.clone()
+        (dq,) = torch.autograd.grad(out, leaf, g)
+        assert (dq.data_ptr() == g.data_ptr()) == inplace_backward
+        grads.append(dq)
+    assert torch.equal(grads[0], grads[1])
+    # A gradient that requires grad (create_graph) is never rotated in place.
+    leaf = q0.clone().requires_grad_(True)
+    out = mlarope.apply_rope_q(leaf, cos, sin, inplace_backward=True, **kwargs)
+    g = g0.clone().requires_grad_(True)
+    (dq,) = torch.autograd.grad(out, leaf, g, create_graph=True)
+    assert torch.equal(g.detach(), g0) and torch.equal(dq.detach(), grads[0])
+
+
 @pytest.mark.parametrize("how", ["broadcast", "slice", "transposed"])
 def test_q_inplace_backward_falls_back_for_gradients_it_cannot_own(how, device):
     """A broadcast gradient (``out.sum()``'s) or a strided slice of a wider tensor is not
