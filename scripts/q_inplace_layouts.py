@@ -19,7 +19,7 @@ import itertools
 import torch
 from triton.testing import do_bench
 
-from mlarope import YarnConfig
+from mlarope import YarnConfig, sweep
 from mlarope._checks import Positions
 from mlarope.kernels import _lookup
 from mlarope.kernels.q import QLaunchConfig, choose_q_config, rope_q_launch
@@ -31,21 +31,13 @@ TOKENS, HEADS, NOPE, ROPE = 16384, 128, 128, 64
 CONFIGS = [(1, 32, 64, 1), (1, 16, 64, 1), (1, 64, 64, 1), (1, 64, 64, 2), (1, 128, 64, 4)]
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """TB/s of a 1 GiB bf16 device-to-device copy (read + write)."""
-    src = torch.randn(2**29, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
-    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
-
-
 def main(device: torch.device | None = None, argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layouts", action="store_true")
     args = parser.parse_args(argv)
     device = device or torch.device("cuda")
     cos, sin = YarnConfig.deepseek_v3(dim=ROPE).cos_sin(32768, device)
-    copy_tbps = copy_bandwidth(device)
+    copy_tbps = sweep.copy_tbps(1 << 29, device)  # 1 GiB of bf16
     print(f"copy {copy_tbps:.3f} TB/s")
     rope_bytes = TOKENS * HEADS * 2 * ROPE * 2
     for case in ("sbhd", "thd1", "thd4", "thd64", "thd1024", "thd4096"):

@@ -135,7 +135,8 @@ def search_call(cu: torch.Tensor, n_tokens: int, block: int, warps: int):
     return run
 
 
-def _copy_tbps(numel: int, device) -> float:
+def copy_tbps(numel: int, device) -> float:
+    """TB/s (read + write) of a device-to-device copy of ``numel`` bf16 elements."""
     src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     return 2 * numel * 2 / (_bench(lambda: dst.copy_(src)) * 1e-6) / 1e12
@@ -219,7 +220,7 @@ def ceilings(device) -> dict[str, float]:
     """TB/s of a contiguous 1 GiB copy, and of a plain copy of exactly the elements the
     in-place query op reads and writes (``q[..., N:]`` of every row: 128 of every 384 bytes),
     out of place and onto itself: the pattern's own ceiling, whatever the arithmetic."""
-    contiguous = _copy_tbps(1 << 29, device)
+    contiguous = copy_tbps(1 << 29, device)
     q = torch.randn(TOKENS * HEADS, NOPE + ROPE, dtype=torch.bfloat16, device=device)
     q2 = torch.empty_like(q)
     moved = TOKENS * HEADS * ROPE * 2 * 2

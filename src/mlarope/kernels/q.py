@@ -152,10 +152,12 @@ class QLaunchConfig:
 # Elements of the rope tile one program moves. Memory-bound: enough bytes per program to keep
 # many loads in flight (8192 bf16 = 16 KiB in, 16 KiB out), few enough to avoid register spills.
 _TILE_ELEMENTS = 8192
-# In place only the rope channels move, and small one-warp programs were fastest in every case:
-# 16 heads x 64 channels gained 2-4 µs over 4,096-8,192-element tiles at sbhd and at 64-4,096
-# sequences, and 12-14 µs with 1 or 4 sequences, whose distinct table rows miss the L2 (the
-# H200, runs Z5 and Z6; docs/perf_log.md, v10).
+# In place only the rope channels move, and small one-warp programs were the fastest, or within
+# 0.2 µs of it, in every case of the kernel timed alone: 16 heads x 64 channels gained 2-4 µs
+# over the earlier 4,096-8,192-element tiles at sbhd and at 64-4,096 sequences, and 12-14 µs
+# with 1 or 4 sequences, whose distinct table rows miss the L2. In the whole op, behind the
+# cu_seqlens search, the gain showed at sbhd and with 1 or 4 sequences only (the H200, runs
+# Z5, Z6 and AA; docs/perf_log.md, v10).
 _INPLACE_TILE_ELEMENTS = 1024
 
 
