@@ -24,6 +24,9 @@ class Positions:
     """Where each token's position comes from, normalised for the kernels and the reference.
 
     ``position_ids`` is already broadcast to the token dims (a view, possibly stride 0).
+    ``searched``: ``[T]`` int64, what the ``cu_seqlens`` search already produced for exactly
+    these ``cu_seqlens``, ``cp_rank`` and ``cp_size`` (an eager forward's, kept for its
+    backward: ``ops.search_for_backward``); the kernels then read it instead of searching again.
     """
 
     layout: str
@@ -31,6 +34,7 @@ class Positions:
     position_ids: torch.Tensor | None
     cp_rank: int
     cp_size: int
+    searched: torch.Tensor | None = None
 
 
 def _fail_type(name: str, value: object, expected: str) -> TypeError:

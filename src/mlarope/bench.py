@@ -590,17 +590,21 @@ class Builders:
                 inp.x, inp.k_pe, pos.cos, pos.sin, k_dim=d.k_dim, copy_v=spec.copy_v, **where
             )
         # The op-level backward functions, as the autograd functions of ops.py call them: the
-        # tables are [P, R] fp32 and the positions are already in the kernels' form.
+        # tables are [P, R] fp32, and thd positions are the forward's cu_seqlens search, run
+        # once here as the forward runs it (ops.search_for_backward).
         p = (pos.cos, pos.sin, pos.cu_seqlens, pos.position_ids, pos.layout, 0, 1)
+        grad = inp.x if spec.op == "q" else inp.dk
+        searched = ops.search_for_backward(grad, pos.cu_seqlens, 0, 1)
         if spec.op == "q":
             # The forward kernel with transpose=True and the interleaving flags swapped. The
             # in-place row rotates the gradient in place: the backward of apply_rope_q(...,
             # inplace_backward=True). Without it, the backward is the out-of-place row's kernel
             # (a shared gradient must not be rotated in place; docs/semantics.md).
+            flags = (False, True, False, True, searched)
             if spec.inplace:
-                return lambda: ops.rope_q_inplace_impl(inp.x, *p, False, True, False, True)
-            return lambda: ops.rope_q_impl(inp.x, *p, False, True, False, True)
-        return lambda: ops.rope_kv_backward_impl(inp.dk, inp.dv, *p, d.k_dim, True, False)
+                return lambda: ops.rope_q_inplace_impl(inp.x, *p, *flags)
+            return lambda: ops.rope_q_impl(inp.x, *p, *flags)
+        return lambda: ops.rope_kv_backward_impl(inp.dk, inp.dv, *p, d.k_dim, True, False, searched)
 
     # ------------------------------------------------------------------ reference / compile
     def _ref_fn(self, name: str, fn: Callable, compiled: bool, **static: Any) -> Callable:

@@ -43,9 +43,11 @@ def rope_q_impl(
     q: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
     position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int,
     interleaved_in: bool, interleaved_out: bool, inverse: bool, transpose: bool,
+    searched: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    """Out of place: ``q: [tokens..., H, N + R]`` -> a new contiguous tensor of the same shape."""
-    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
+    """Out of place: ``q: [tokens..., H, N + R]`` -> a new contiguous tensor of the same shape.
+    ``searched``: the ``[T]`` positions of an earlier search in these ``cu_seqlens``, or None."""
+    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size, searched)
     if not use_triton(q):
         return reference.rope_q(
             q, cos, sin, positions, interleaved_in=interleaved_in,
@@ -66,9 +68,10 @@ def rope_q_inplace_impl(
     q: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
     position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int,
     interleaved_in: bool, interleaved_out: bool, inverse: bool, transpose: bool,
+    searched: Tensor | None = None,
 ) -> None:  # fmt: skip
     """In place: rotates the rope channels of ``q: [tokens..., H, N + R]``; nope untouched."""
-    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
+    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size, searched)
     if not use_triton(q):
         rope_dim = cos.shape[-1]
         rotated = reference.rope_q(
@@ -91,11 +94,11 @@ def rope_q_inplace_impl(
 def rope_kv_impl(
     kv: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
     position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int, k_dim: int,
-    interleaved_in: bool, interleaved_out: bool, copy_v: bool,
+    interleaved_in: bool, interleaved_out: bool, copy_v: bool, searched: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``kv: [tokens..., H, K + V]``, ``k_pe: [tokens..., R]`` -> ``k: [tokens..., H, K + R]`` and
     ``v: [tokens..., H, V]`` (``copy_v``) or an empty placeholder (the caller takes a view)."""
-    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
+    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size, searched)
     if not use_triton(kv):
         k, v = reference.rope_kv(
             kv, k_pe, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
@@ -122,11 +125,11 @@ def rope_kv_impl(
 def rope_kv_backward_impl(
     dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
     position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int, k_dim: int,
-    interleaved_in: bool, interleaved_out: bool,
+    interleaved_in: bool, interleaved_out: bool, searched: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``dk: [tokens..., H, K + R]``, ``dv: [tokens..., H, V]`` -> ``dkv: [tokens..., H, K + V]``,
-    ``dk_pe: [tokens..., R]`` (one launch on the Triton backend)."""
-    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
+    ``dk_pe: [tokens..., R]`` (one launch on the Triton backend, given ``searched``)."""
+    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size, searched)
     if not use_triton(dk):
         return reference.rope_kv_backward(
             dk, dv, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
@@ -167,8 +170,8 @@ def _rope_q_inplace_fake(q, *args):
 
 
 @rope_kv_op.register_fake
-def _rope_kv_fake(kv, k_pe, cos, sin, cu, ids, layout, cp_rank, cp_size, k_dim, *flags):
-    copy_v = flags[-1]
+def _rope_kv_fake(kv, k_pe, cos, sin, cu, ids, layout, cp_rank, cp_size, k_dim, interleaved_in,
+                  interleaved_out, copy_v, searched=None):  # fmt: skip
     k = kv.new_empty((*kv.shape[:-1], k_dim + cos.shape[-1]))
     v = kv.new_empty((*kv.shape[:-1], kv.shape[-1] - k_dim)) if copy_v else kv.new_empty(0)
     return k, v
@@ -206,6 +209,22 @@ def _kv_backward(*args) -> tuple[Tensor, Tensor]:
     return rope_kv_backward_op(*args) if _compiling() else rope_kv_backward_impl(*args)
 
 
+def search_for_backward(
+    x: Tensor, cu_seqlens: Tensor | None, cp_rank: int, cp_size: int
+) -> Tensor | None:
+    """An eager forward's ``cu_seqlens`` search, run once so that its backward reuses it:
+    ``[T]`` int64 positions of the thd input ``x: [T, H, D]``, or None where the kernels look
+    positions up without a search (no ``cu_seqlens``, no tokens), where they do not run (the
+    PyTorch backend) and when compiling (Inductor's graph calls the custom ops, which search).
+    Saves one launch per backward (5-9 µs on the H200 at 16,384 tokens) for 8 bytes a token
+    kept until the backward."""
+    if cu_seqlens is None or x.shape[0] == 0 or _compiling() or not use_triton(x):
+        return None
+    from .kernels._lookup import searched_positions
+
+    return searched_positions(cu_seqlens, x.shape[0], cp_rank, cp_size)
+
+
 # ------------------------------------------------------------------------------- autograd
 class RopeQFunction(torch.autograd.Function):
     """Query op with autograd. The backward is the same kernel with ``transpose=True`` and the
@@ -224,20 +243,21 @@ class RopeQFunction(torch.autograd.Function):
     def forward(ctx, q, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size,
                 interleaved, interleaved_out, inverse, inplace, inplace_backward):  # fmt: skip
         args = (cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size)
+        searched = search_for_backward(q, cu_seqlens, cp_rank, cp_size)
         if inplace:
-            _q_inplace(q, *args, interleaved, interleaved_out, inverse, False)
+            _q_inplace(q, *args, interleaved, interleaved_out, inverse, False, searched)
             ctx.mark_dirty(q)
             out = q
         else:
-            out = _q(q, *args, interleaved, interleaved_out, inverse, False)
-        ctx.save_for_backward(cos, sin, cu_seqlens, position_ids)
+            out = _q(q, *args, interleaved, interleaved_out, inverse, False, searched)
+        ctx.save_for_backward(cos, sin, cu_seqlens, position_ids, searched)
         ctx.flags = (layout, cp_rank, cp_size, interleaved, interleaved_out, inverse)
         ctx.inplace_backward = inplace_backward
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        cos, sin, cu_seqlens, position_ids = ctx.saved_tensors
+        cos, sin, cu_seqlens, position_ids, searched = ctx.saved_tensors
         layout, cp_rank, cp_size, interleaved, interleaved_out, inverse = ctx.flags
         args = (cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size)
         # The kernels read memory: a contiguous last dim, and no lazy negation (neg bit).
@@ -245,9 +265,9 @@ class RopeQFunction(torch.autograd.Function):
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
         if ctx.inplace_backward and _grad_rotatable_in_place(grad):
-            _q_inplace(grad, *args, interleaved_out, interleaved, inverse, True)
+            _q_inplace(grad, *args, interleaved_out, interleaved, inverse, True, searched)
             return (grad,) + (None,) * 12
-        dq = _q(grad, *args, interleaved_out, interleaved, inverse, True)
+        dq = _q(grad, *args, interleaved_out, interleaved, inverse, True, searched)
         return (dq,) + (None,) * 12
 
 
@@ -276,20 +296,21 @@ class RopeKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size,
                 k_dim, interleaved, interleaved_out, copy_v):  # fmt: skip
+        searched = search_for_backward(kv, cu_seqlens, cp_rank, cp_size)
         k, v = _kv(
             kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
-            interleaved, interleaved_out, copy_v,
+            interleaved, interleaved_out, copy_v, searched,
         )  # fmt: skip
         if not copy_v:
             v = kv[..., k_dim:]
-        ctx.save_for_backward(cos, sin, cu_seqlens, position_ids)
+        ctx.save_for_backward(cos, sin, cu_seqlens, position_ids, searched)
         ctx.flags = (layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out)
         ctx.k_pe_shape = k_pe.shape
         return k, v
 
     @staticmethod
     def backward(ctx, dk, dv):
-        cos, sin, cu_seqlens, position_ids = ctx.saved_tensors
+        cos, sin, cu_seqlens, position_ids, searched = ctx.saved_tensors
         layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out = ctx.flags
         dk, dv = dk.resolve_neg(), dv.resolve_neg()
         if dk.stride(-1) != 1:
@@ -298,6 +319,6 @@ class RopeKVFunction(torch.autograd.Function):
             dv = dv.contiguous()
         dkv, dk_pe = _kv_backward(
             dk, dv, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
-            interleaved, interleaved_out,
+            interleaved, interleaved_out, searched,
         )  # fmt: skip
         return (dkv, dk_pe.view(ctx.k_pe_shape)) + (None,) * 11

@@ -220,6 +220,14 @@ def search_positions(
     )  # fmt: skip
 
 
+def searched_positions(cu: torch.Tensor, n_tokens: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """``[n_tokens]`` int64: every thd token's position from ``cu: [n + 1]`` (one launch of the
+    search on ``cu``'s device and the current stream; no host sync)."""
+    found = torch.empty(n_tokens, dtype=torch.int64, device=cu.device)
+    search_positions(cu, found, cp_rank, cp_size)
+    return found
+
+
 def position_args(
     positions, x: torch.Tensor, token_shape: tuple[int, int]
 ) -> tuple[int, tuple[object, ...]]:
@@ -227,8 +235,8 @@ def position_args(
     kernels' positions come from (see ``token_positions``), as the kernels' consecutive
     position arguments.
 
-    With ``cu_seqlens`` this launches ``_cu_seqlens_positions_kernel`` first (on ``x``'s device
-    and stream; no host sync) and hands the kernels its ``[T]`` output.
+    With ``cu_seqlens`` this launches ``_cu_seqlens_positions_kernel`` first (no host sync) and
+    hands the kernels its ``[T]`` output, unless ``positions.searched`` already holds it.
     """
     cp_rank, cp_size = positions.cp_rank, positions.cp_size
     if positions.position_ids is not None:
@@ -237,8 +245,9 @@ def position_args(
         return POSITION_IDS, (ids, strides[0], strides[1], 0, cp_rank, cp_size)
     if positions.cu_seqlens is not None:
         cu = positions.cu_seqlens
-        found = torch.empty(token_shape[0] * token_shape[1], dtype=torch.int64, device=x.device)
-        search_positions(cu, found, cp_rank, cp_size)
+        found = positions.searched
+        if found is None:
+            found = searched_positions(cu, token_shape[0] * token_shape[1], cp_rank, cp_size)
         return CU_SEQLENS, (found, 0, 0, cu.shape[0] - 1, cp_rank, cp_size)
     if positions.layout == "bshd":
         return SEQ_DIM1, (x, 0, 0, token_shape[1], cp_rank, cp_size)
