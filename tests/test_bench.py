@@ -334,3 +334,39 @@ def test_builders_agree_with_the_reference(op, device):
     for got, want in zip(*results, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_retune_megatron_clears_every_autotuner_cache():
+    """Megatron-Core's kernels keep one tuned configuration per (head and channel counts,
+    dtypes): ``retune_megatron`` empties those caches before each case, and touches nothing
+    else in the module."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    @triton.autotune(configs=[triton.Config({"B": 1}), triton.Config({"B": 2})], key=["n"])
+    @triton.jit
+    def kernel(x_ptr, n, B: tl.constexpr):
+        pass
+
+    plain = {"kept": 1}
+    module = types.SimpleNamespace(rotary_fwd_q_kernel=kernel, other=plain, name="x")
+    kernel.cache[(64, "torch.bfloat16")] = triton.Config({"B": 1})
+    assert bench.retune_megatron(module) == 1
+    assert kernel.cache == {} and plain == {"kept": 1}
+
+
+def test_sweep_hinted_slice_copy_moves_exactly_the_slice(device):
+    """Each cache-hint variant the sweep times copies ``x[:, N:]`` and nothing else."""
+    import triton
+
+    sweep = pytest.importorskip("mlarope.sweep")
+    assert len(sweep.ONTO_ITSELF_HINTS) == 8
+    src = torch.randn(40, 48, device=device).to(torch.bfloat16)
+    for _name, *hints in sweep.ONTO_ITSELF_HINTS:
+        dst = torch.zeros_like(src)
+        sweep._copy_row_slices[(triton.cdiv(40, 16),)](
+            src, dst, 40, src.stride(0), 16, 16, 32, *hints, num_warps=1
+        )
+        assert torch.equal(dst[:, 16:], src[:, 16:]) and not dst[:, :16].any()

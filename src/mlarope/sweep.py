@@ -144,12 +144,31 @@ def copy_tbps(numel: int, device) -> float:
 
 @triton.jit
 def _copy_row_slices(src_ptr, dst_ptr, n_rows, row_stride, offset, BLOCK_R: tl.constexpr,
-                     WIDTH: tl.constexpr):  # fmt: skip
-    """``dst[r, offset : offset + WIDTH] = src[r, offset : offset + WIDTH]`` for a row block."""
+                     WIDTH: tl.constexpr, LOAD_CACHE: tl.constexpr = "",
+                     LOAD_EVICT: tl.constexpr = "", STORE_CACHE: tl.constexpr = "",
+                     STORE_EVICT: tl.constexpr = ""):  # fmt: skip
+    """``dst[r, offset : offset + WIDTH] = src[r, offset : offset + WIDTH]`` for a row block,
+    with the given cache modifiers and eviction policies ("" is the default)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     at = r[:, None] * row_stride + offset + tl.arange(0, WIDTH)[None, :]
     m = (r < n_rows)[:, None]
-    tl.store(dst_ptr + at, tl.load(src_ptr + at, mask=m), mask=m)
+    x = tl.load(src_ptr + at, mask=m, cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+    tl.store(dst_ptr + at, x, mask=m, cache_modifier=STORE_CACHE, eviction_policy=STORE_EVICT)
+
+
+# Cache hints tried on the copy onto itself (the in-place op's pattern), at the in-place
+# kernel's tile (16 rows of 64 channels, one warp): (name, load cache modifier, load eviction
+# policy, store cache modifier, store eviction policy).
+ONTO_ITSELF_HINTS = [
+    ("plain", "", "", "", ""),
+    ("ld evict_first", "", "evict_first", "", ""),
+    ("st evict_first", "", "", "", "evict_first"),
+    ("ld+st evict_first", "", "evict_first", "", "evict_first"),
+    ("ld .cg", ".cg", "", "", ""),
+    ("st .cs", "", "", ".cs", ""),
+    ("st .wt", "", "", ".wt", ""),
+    ("ld .cg st .cs", ".cg", "", ".cs", ""),
+]
 
 
 @triton.jit
@@ -242,6 +261,13 @@ def ceilings(device) -> dict[str, float]:
                 )
             )
             out[f"{name}[{block_r}x{warps}w]"] = moved / (us * 1e-6) / 1e12
+    for name, ld_cache, ld_evict, st_cache, st_evict in ONTO_ITSELF_HINTS:
+        us = _bench(
+            lambda hints=(ld_cache, ld_evict, st_cache, st_evict): _copy_row_slices[
+                (triton.cdiv(q.shape[0], 16),)
+            ](q, q, q.shape[0], q.stride(0), NOPE, 16, ROPE, *hints, num_warps=1)
+        )
+        out[f"rope_slice_onto_itself_tbps[16x1w {name}]"] = moved / (us * 1e-6) / 1e12
     torch_us = _bench(lambda: q2[..., NOPE:].copy_(q[..., NOPE:]))
     out["rope_slice_torch_copy_tbps"] = moved / (torch_us * 1e-6) / 1e12
     # The key/value forward without copy_v reads half of every kv row (K of K + V channels).
