@@ -62,7 +62,10 @@ for step in "${steps[@]}"; do
       timeout 120 python3 -m pytest -q -m gpu tests/test_context_parallel.py --device cuda \
         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/cp.log" ;;
     sweep)
-      timeout "${SWEEP_SECONDS:-280}" python3 -m mlarope.sweep --label new --json "$OUT/sweep.json" 2>&1 | tail -120 ;;
+      # SWEEP_ARGS: more arguments, e.g. "--heuristic-only --ops q_inplace --cases sbhd".
+      # shellcheck disable=SC2086
+      timeout "${SWEEP_SECONDS:-280}" python3 -m mlarope.sweep --label new ${SWEEP_ARGS:-} \
+        --json "$OUT/sweep.json" 2>&1 | tail -120 ;;
     sweep_base)
       PYTHONPATH="$PWD/.ab/base:${PYTHONPATH#*:}" timeout 90 python3 -m mlarope.sweep \
         --label base --heuristic-only --ops q_inplace,kv,kv_no_v,kv_bwd \
