@@ -311,14 +311,7 @@ def test_builders_agree_with_the_reference(op, device):
     """Each timed mlarope callable computes what the reference callable of the same row does
     (in place ones in their input set), so a row never times the wrong kernel: fp32 data, the
     Triton kernels against the PyTorch reference, within a few units of fp32 rounding."""
-    suite = bench.Suite(
-        MlaDims(heads=3, nope=16, rope=32, k_dim=16, v_dim=8), (), 64, ("", ""), torch.float32
-    )
-    case = bench.Case("thd3", "thd 24 / 3 seq", "thd", (24,), n_seqs=3)
-    spec = bench.OPS_BY_KEY[op]
-    device = torch.device(device)
-    pos = bench.make_positional(suite, case, device, torch.Generator().manual_seed(0))
-    (inp,) = bench.make_inputs(suite, case, spec, device, 1)
+    suite, spec, inp, pos = _tiny_thd_case(op, torch.device(device))
     builders = bench.Builders(suite, "default", None)
     results = []
     for build in (builders.mlarope, builders.reference):
@@ -355,6 +348,50 @@ def test_retune_megatron_clears_every_autotuner_cache():
     kernel.cache[(64, "torch.bfloat16")] = triton.Config({"B": 1})
     assert bench.retune_megatron(module) == 1
     assert kernel.cache == {} and plain == {"kept": 1}
+    # The Megatron builder clears them before it builds a case's callable (here it then stops:
+    # CPU tensors are not Megatron's).
+    suite, spec, inp, pos = _tiny_thd_case("q_inplace_fwd", torch.device("cpu"))
+    kernel.cache[(64, "torch.bfloat16")] = triton.Config({"B": 1})
+    with pytest.raises(bench.Unsupported, match="needs CUDA"):
+        bench.Builders(suite, "default", module).megatron_impl(spec, inp, pos)
+    assert kernel.cache == {}
+    no_kernels = bench.Builders(suite, "default", types.SimpleNamespace())
+    with pytest.warns(UserWarning, match="no autotuner"), pytest.raises(bench.Unsupported):
+        no_kernels.megatron_impl(spec, inp, pos)
+
+
+def _tiny_thd_case(op: str, device: torch.device):
+    suite = bench.Suite(
+        MlaDims(heads=3, nope=16, rope=32, k_dim=16, v_dim=8), (), 64, ("", ""), torch.float32
+    )
+    case = bench.Case("thd3", "thd 24 / 3 seq", "thd", (24,), n_seqs=3)
+    spec = bench.OPS_BY_KEY[op]
+    pos = bench.make_positional(suite, case, device, torch.Generator().manual_seed(0))
+    (inp,) = bench.make_inputs(suite, case, spec, device, 1)
+    return suite, spec, inp, pos
+
+
+@pytest.mark.parametrize("op", [spec.key for spec in bench.OPS])
+def test_timed_calls_search_as_the_ops_do(op, device, monkeypatch):
+    """A timed forward with ``cu_seqlens`` searches on every call, as the public API does; a
+    timed backward reads one search made when its callable is built, as an autograd backward
+    reads its forward's (``ops.search_for_backward``)."""
+    from mlarope.kernels import _lookup
+
+    suite, spec, inp, pos = _tiny_thd_case(op, torch.device(device))
+    searches = []
+    search = _lookup.search_positions
+    monkeypatch.setattr(
+        _lookup, "search_positions", lambda *a, **k: (searches.append(1), search(*a, **k))
+    )
+    call = bench.Builders(suite, "default", None).mlarope(spec, inp, pos)
+    built = len(searches)
+    call()
+    call()
+    if spec.direction == "bwd":
+        assert (built, len(searches)) == (1, 1)
+    else:
+        assert (built, len(searches)) == (0, 2)
 
 
 def test_sweep_hinted_slice_copy_moves_exactly_the_slice(device):

@@ -171,8 +171,10 @@ def test_autograd_searches_once_for_forward_and_backward(op, cp_size, cp_rank, d
     import mlarope
     from mlarope import ops
     from mlarope.kernels import _lookup
+    from mlarope.kernels._launch import recording
 
     searches: list[str] = []
+    backward_launches: list[int] = []
     search = _lookup.search_positions
     monkeypatch.setattr(
         _lookup, "search_positions", lambda *a, **k: (searches.append(phase), search(*a, **k))
@@ -202,7 +204,10 @@ def test_autograd_searches_once_for_forward_and_backward(op, cp_size, cp_rank, d
             outs = mlarope.apply_rope_kv(x, k_pe, cos, sin, k_dim=16, copy_v=op == "kv", **where)
         grads = [torch.randn_like(o) for o in outs]
         phase = "backward"
-        got = torch.autograd.grad(outs, (x,) if op.startswith("q") else (x, k_pe), grads)
+        with recording() as launches:
+            got = torch.autograd.grad(outs, (x,) if op.startswith("q") else (x, k_pe), grads)
+        if device.type == "cpu":  # the engine's own thread for CUDA, where this records nothing
+            backward_launches.append(len(launches))
         return [g.nan_to_num(7) for g in got]
 
     phase = ""
@@ -214,6 +219,8 @@ def test_autograd_searches_once_for_forward_and_backward(op, cp_size, cp_rank, d
     torch.manual_seed(1)
     again = run()
     assert searches == ["forward", "backward"], "without them each direction searches"
+    expected = [1, 2] if device.type == "cpu" else []
+    assert backward_launches == expected, "the backward's kernel alone, then search + kernel"
     for a, b in zip(grads, again, strict=True):
         assert torch.equal(a, b)
 

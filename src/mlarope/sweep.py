@@ -20,6 +20,7 @@ Output: a table on stdout and ``--json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._checks import Positions
-from .kernels._lookup import position_args, search_positions
+from .kernels._lookup import position_args, search_positions, searched_positions
 from .kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
 from .kernels.q import QLaunchConfig, rope_q_launch
 from .yarn import YarnConfig
@@ -104,6 +105,9 @@ def _call(op: str, case: str, config, device):
         )  # fmt: skip
     cfg = KVLaunchConfig(*config) if config else None
     if op == "kv_bwd":
+        if positions.cu_seqlens is not None:  # the forward's search, as a backward reads it
+            found = searched_positions(positions.cu_seqlens, TOKENS, 0, 1)
+            positions = dataclasses.replace(positions, searched=found)
         dk = torch.randn(*tokens, HEADS, K_DIM + ROPE, **bf16)
         dv = torch.randn(*tokens, HEADS, V_DIM, **bf16)
         dkv = torch.empty(*tokens, HEADS, K_DIM + V_DIM, **bf16)

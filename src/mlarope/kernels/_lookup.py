@@ -5,8 +5,9 @@ Computes, for a block of token indices, the same ``(pos, is_padding)`` as
 O(log n) (a 16-ary search in ``cu_seqlens``), never a scan over all sequences.
 
 With ``cu_seqlens`` the search runs once per call in a small kernel of its own
-(``_cu_seqlens_positions_kernel``: T int64 positions, ``PADDING_POSITION`` for padding), and
-the rotation kernels then read one position per token. Searching inside the rotation kernels
+(``_cu_seqlens_positions_kernel``: T int64 positions, ``PADDING_POSITION`` for padding; an
+autograd forward's result is kept for its backward, ``ops.search_for_backward``), and the
+rotation kernels then read one position per token. Searching inside the rotation kernels
 put three dependent L2 round trips in front of every tile's loads and cost 20-35 % of the
 in-place query op's bandwidth (docs/perf_log.md, v6); the extra launch costs a few
 microseconds of GPU time.
