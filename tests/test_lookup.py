@@ -19,8 +19,10 @@ from mlarope.kernels._lookup import (
     PADDING_POSITION,
     position_args,
     search_steps,
+    searched_positions,
 )
 from mlarope.positions import token_positions
+from tests.errmodel import join_pairs, split_pairs
 
 CP_RANKS = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
 TABLE_ROWS = 1 << 20  # only bounds sequence lengths in the validity check
@@ -159,6 +161,88 @@ def test_malformed_cu_seqlens_give_nan_not_silence(cu_list, device):
     nan_rows = want[..., 16:].isnan().all(-1).all(-1)
     assert bool(nan_rows.any()), "the case should have out-of-range rows"
     assert torch.equal(got[..., 16:].isnan().all(-1).all(-1).cpu(), nan_rows)
+
+
+def random_malformed_cu_seqlens(gen: torch.Generator) -> tuple[list[int], torch.dtype]:
+    """Any int values: shuffled or out-of-order entries, not starting at 0, negative, a single
+    entry, totals beyond the tokens, and the extremes of int32 and int64."""
+    n = int(torch.randint(1, 40, (1,), generator=gen))
+    kind = int(torch.randint(0, 5, (1,), generator=gen))
+    if kind == 0:  # anything in a small range
+        values = torch.randint(-20, 60, (n,), generator=gen)
+    elif kind == 1:  # sorted, then one entry moved
+        values = torch.randint(-10, 60, (n,), generator=gen).sort().values
+        values[int(torch.randint(0, n, (1,), generator=gen))] = int(
+            torch.randint(-30, 80, (1,), generator=gen)
+        )
+    elif kind == 2:  # well formed but for the start
+        values = torch.randint(0, 9, (n,), generator=gen).cumsum(0) + int(
+            torch.randint(-12, 12, (1,), generator=gen)
+        )
+    elif kind == 3:  # int32 extremes among small values
+        pool = torch.tensor([-(2**31), 2**31 - 1, 0, 5, -5, 2**30, 17])
+        values = pool[torch.randint(0, len(pool), (n,), generator=gen)]
+    else:  # int64 extremes (positions wrap around in 64 bits, on every backend alike)
+        pool = torch.tensor([-(2**63), 2**63 - 1, 0, 7, -(2**62), 2**62, 2**53, -3])
+        values = pool[torch.randint(0, len(pool), (n,), generator=gen)]
+        return values.tolist(), torch.int64
+    dtype = torch.int32 if int(torch.randint(0, 2, (1,), generator=gen)) else torch.int64
+    return values.tolist(), dtype
+
+
+def test_malformed_cu_seqlens_positions_match_the_spec(device):
+    """For ANY int ``cu_seqlens`` (the ones ``validate=True`` rejects), the reference's positions
+    and padding (``positions.token_positions``) are the kernel's, token for token, for
+    ``cp_size`` 1 to 4 and every rank: the CPU and GPU backends write the same rows. (Before,
+    the reference took its own path through malformed ``cu_seqlens``: ``[5]`` made every token
+    padding there and NaN rows 0-4 in the kernels.)"""
+    gen = torch.Generator().manual_seed(2024)
+    for trial in range(120):
+        cu_list, dtype = random_malformed_cu_seqlens(gen)
+        cp_size = int(torch.randint(1, 5, (1,), generator=gen))
+        cp_rank = int(torch.randint(0, cp_size, (1,), generator=gen))
+        n_tokens = int(torch.randint(1, 70, (1,), generator=gen))
+        cu = torch.tensor(cu_list, dtype=dtype, device=device)
+        positions = _checks.Positions("thd", cu, None, cp_rank, cp_size)
+        got = searched_positions(cu, n_tokens, cp_rank, cp_size)
+        want = spec_positions(positions, n_tokens, device)
+        assert torch.equal(got, want), (
+            f"trial {trial}: cu_seqlens={cu_list} ({dtype}), cp {cp_rank}/{cp_size}, "
+            f"{n_tokens} tokens: kernel {got.tolist()}, spec {want.tolist()}"
+        )
+
+
+@pytest.mark.parametrize("cu_list", [[5], [0, 6, 3, 10], [4, 2, 9], [-3, 4, 8], [0, 12]], ids=str)
+@pytest.mark.parametrize("op", ["q", "kv"])
+def test_malformed_cu_seqlens_same_rows_on_every_backend(cu_list, op, device):
+    """The issue's cases on T = 10 (``[5]``: NaN rows 0-4, padding after; ``[0, 6, 3, 10]``: NaN
+    rows 3-5) and others: the kernels and the reference backend write the same rows, rotated
+    with the same positions, NaN in the same rows, passed through in the same rows."""
+    import mlarope
+
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    cos, sin = mlarope.YarnConfig(dim=32).cos_sin(12)
+    x = torch.randn(10, 2, 16 + (32 if op == "q" else 8))
+    k_pe = torch.randn(10, 32)
+
+    def run(dev, dtype):
+        args = dict(layout="thd", cu_seqlens=cu.to(dev))
+        t = lambda a: a.to(dev, dtype)
+        if op == "q":
+            return mlarope.apply_rope_q(t(x), t(cos), t(sin), **args)
+        k, v = mlarope.apply_rope_kv(t(x), t(k_pe), t(cos), t(sin), k_dim=16, **args)
+        return torch.cat((k, v), dim=-1)
+
+    got = run(device, torch.float32).double().cpu()
+    want = run("cpu", torch.float64)  # float64: the reference backend
+    assert torch.equal(got.isnan(), want.isnan()), "NaN in other rows"
+    torch.testing.assert_close(got.nan_to_num(0), want.nan_to_num(0), rtol=1e-6, atol=1e-6)
+    if cu_list == [5]:
+        rows_nan = want[..., 16:48].isnan().all(-1).all(-1)  # the rope channels
+        assert rows_nan.tolist() == [True] * 5 + [False] * 5
+        if op == "q":  # padding: the input's pairs, re-laid out (interleaved -> halves)
+            a, b = split_pairs(x[5:, :, 16:].double(), True)
+            assert torch.equal(want[5:, :, 16:], join_pairs(a, b, False))
 
 
 @pytest.mark.parametrize("op", ["q", "q_inplace", "q_inplace_backward", "kv", "kv_no_copy_v"])

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..positions import PADDING_POSITION, search_steps  # noqa: F401 (PADDING_POSITION: re-exported)
 from ._launch import DirectLauncher
 
 # Position sources (constexpr POS_MODE).
@@ -27,9 +28,10 @@ SEQ_DIM1 = 1  # bshd: position = index along token dim 1
 CU_SEQLENS = 2  # thd with cu_seqlens: positions precomputed by _cu_seqlens_positions_kernel
 POSITION_IDS = 3  # explicit ids, read with their strides
 
-# What the position kernel writes for a padding token: the int64 minimum, which no search can
-# produce (malformed cu_seqlens can give other negative positions; those must become NaN).
-PADDING_POSITION = -(2**63)
+# What the position kernel writes for a padding token: the int64 minimum, which no search in
+# int32 cu_seqlens, nor in int64 ones of less than 2**53 in magnitude, can produce (malformed
+# cu_seqlens can give other negative positions; those must become NaN). A position that wraps
+# around to it counts as padding, in mlarope.positions too.
 
 # Kernel integers that change from call to call but feed only masks and index arithmetic. They
 # are not specialized (Triton would compile a variant per value class, == 1 and % 16), so a new
@@ -183,14 +185,6 @@ def rotate(
     out_a = tl.where(out_of_range, float("nan"), out_a)
     out_b = tl.where(out_of_range, float("nan"), out_b)
     return out_a, out_b
-
-
-def search_steps(n_seqs: int, fanout: int = 16) -> int:
-    """Steps of the ``fanout``-ary search over ``n_seqs`` sequences: ceil(log_fanout(n))."""
-    steps, reach = 0, 1
-    while reach < n_seqs:
-        steps, reach = steps + 1, reach * fanout
-    return steps
 
 
 def next_power_of_2(n: int) -> int:
