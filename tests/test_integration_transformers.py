@@ -198,6 +198,50 @@ def test_v3_function_matches_transformers(device, rope_calls, name, heads_dim, b
         _assert_rotation_close(leaf_got, leaf_want, leaf_bound, f"{name} d{what}")
 
 
+def _unequal_halves(batch_rows, rope_dim, device):
+    """Tables whose halves differ (independent angles and magnitudes), which transformers' rotary
+    embedding never makes but its functions can be handed: ``[Bc, S, R]``."""
+    angles = 6.3 * torch.rand(batch_rows, SEQ, rope_dim, dtype=torch.float64)
+    scale = 1.0 + 0.5 * torch.rand(batch_rows, SEQ, rope_dim, dtype=torch.float64)
+    cos, sin = (scale * angles.cos()).float(), (scale * angles.sin()).float()
+    return cos.to(device), sin.to(device)
+
+
+@pytest.mark.parametrize("name", V3_NAMES)
+def test_v3_function_matches_transformers_on_tables_with_unequal_halves(device, rope_calls, name):
+    """``apply_rotary_pos_emb_interleave`` (transformers 5.24) rotates each pair by the first half
+    of cos/sin only; ``apply_rotary_pos_emb`` by ``cos[j]`` and ``cos[half + j]``. The
+    replacements do the same for any tables, values and gradients. (Before: the interleave
+    replacement read both halves, off by up to 6.)"""
+    interleaved_in = name == "apply_rotary_pos_emb_interleave"
+    q_leaf, k_leaf, q, k = _inputs(device, 1, "fused")
+    cos, sin = _unequal_halves(BATCH, q.shape[-1], device)
+    theirs = V3_ORIGINAL[name](q, k, cos, sin)
+    mt.apply_mlarope_to_deepseek_v3()
+    rope_calls.clear()  # the self-check's calls
+    ours = getattr(hf_v3, name)(q, k, cos, sin)
+    assert len(rope_calls) == 2, "the call fell back to transformers"
+
+    half = cos.shape[-1] // 2
+    c_a, c_b = cos[..., :half].double().abs(), cos[..., half:].double().abs()
+    s_a, s_b = sin[..., :half].double().abs(), sin[..., half:].double().abs()
+    # Each member of a pair is bounded with the larger table entry it can meet.
+    c = (c_a if interleaved_in else torch.maximum(c_a, c_b)).unsqueeze(1)
+    s = (s_a if interleaved_in else torch.maximum(s_a, s_b)).unsqueeze(1)
+    grads = [torch.randn_like(t) for t in theirs]
+    want = torch.autograd.grad(theirs, (q_leaf, k_leaf), grads)
+    got = torch.autograd.grad(ours, (q_leaf, k_leaf), grads)
+    for what, x, g, o, t, leaf_got, leaf_want in zip(
+        ("q", "k"), (q, k), grads, ours, theirs, got, want, strict=True
+    ):
+        bound = 6 * U32 * _pair_magnitude(x, c, s, interleaved_in, False)
+        _assert_rotation_close(o, t, bound, f"{name} {what}")
+        leaf_bound = torch.zeros_like(leaf_want, dtype=torch.float64)
+        view = _leaf_view(leaf_bound, what, "fused", 1)
+        view.copy_(6 * U32 * _pair_magnitude(g, c, s, False, interleaved_in))
+        _assert_rotation_close(leaf_got, leaf_want, leaf_bound, f"{name} d{what}")
+
+
 @needs_v2
 @pytest.mark.parametrize("batch_rows, layout", [(1, "fused"), (BATCH, "fused"), (1, "copy_last")])
 def test_v2_function_matches_transformers(device, rope_calls, batch_rows, layout):
@@ -558,6 +602,120 @@ def test_self_check_refuses_changed_semantics(monkeypatch):
     with pytest.raises(RuntimeError, match="self-check could not run"):
         mt.apply_mlarope_to_deepseek_v3()
     assert hf_v3.apply_rotary_pos_emb is V3_ORIGINAL["apply_rotary_pos_emb"]
+
+
+def _interleave_reading(half_of_tables):
+    """An ``apply_rotary_pos_emb_interleave`` that reads ``half_of_tables`` of cos/sin: "both"
+    (de-interleave, then transformers' rotate_half formula, as releases before 5.24 did) or
+    "second" (a wrong half)."""
+
+    def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        half = cos.shape[-1] // 2
+        if half_of_tables == "second":
+            cos = torch.cat((cos[..., half:], cos[..., half:]), dim=-1)
+            sin = torch.cat((sin[..., half:], sin[..., half:]), dim=-1)
+        deinterleave = lambda x: torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        original = V3_ORIGINAL["apply_rotary_pos_emb"]
+        return original(deinterleave(q), deinterleave(k), cos, sin, unsqueeze_dim)
+
+    return rope
+
+
+def test_self_check_probes_with_unequal_halves(device, monkeypatch, rope_calls):
+    """The self-check's tables have unequal halves, so it tells which half the installed
+    interleave function reads: one that reads the second half is refused (before, with equal
+    halves, it passed), one that reads both halves (transformers before 5.24) gets a
+    replacement that reads both halves too, equal to it on any tables."""
+    monkeypatch.setattr(hf_v3, "apply_rotary_pos_emb_interleave", _interleave_reading("second"))
+    with pytest.raises(RuntimeError, match="apply_rotary_pos_emb_interleave disagrees"):
+        mt.apply_mlarope_to_deepseek_v3()
+    assert not mt.is_mlarope_applied("deepseek_v3")
+
+    older = _interleave_reading("both")
+    monkeypatch.setattr(hf_v3, "apply_rotary_pos_emb_interleave", older)
+    mt.apply_mlarope_to_deepseek_v3()
+    _, _, q, k = _inputs(device, 1, "fused")
+    q, k = q.detach(), k.detach()
+    cos, sin = _unequal_halves(BATCH, q.shape[-1], device)
+    rope_calls.clear()
+    ours = hf_v3.apply_rotary_pos_emb_interleave(q, k, cos, sin)
+    theirs = older(q, k, cos, sin)
+    assert len(rope_calls) == 2
+    for o, t in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(o, t, rtol=1e-5, atol=1e-5)  # O(1) values, fp32 roundings
+    mt.revert_mlarope_deepseek_v3()
+    assert hf_v3.apply_rotary_pos_emb_interleave is older
+
+
+def test_patched_block_is_reference_counted_across_threads():
+    """Thread A enters, thread B enters, A exits: B is still patched until it exits. (Before,
+    A's exit restored transformers' functions under B.)"""
+    import threading
+
+    a_in, b_in, a_out, b_checked = (threading.Event() for _ in range(4))
+    seen = {}
+
+    def thread_a():
+        with mt.mlarope_patched("deepseek_v3"):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(10)
+        with mt.mlarope_patched("deepseek_v3"):
+            b_in.set()
+            a_out.wait(10)
+            seen["after A exited"] = mt.is_mlarope_applied("deepseek_v3")
+        b_checked.set()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert b_checked.is_set(), "the threads did not finish"
+    assert seen["after A exited"], "A's exit unpatched B's block"
+    assert all(getattr(hf_v3, n) is f for n, f in V3_ORIGINAL.items()), "the last exit restores"
+
+
+def test_patch_holders_many_threads():
+    """Many threads entering and leaving blocks at once, with apply/revert interleaved: inside a
+    block the patch is always in place; after everyone is done, only apply's hold remains."""
+    import threading
+
+    errors = []
+    start = threading.Barrier(8)
+
+    def worker(i):
+        start.wait(10)
+        for j in range(20):
+            with mt.mlarope_patched("deepseek_v3"):
+                if not mt.is_mlarope_applied("deepseek_v3"):
+                    errors.append((i, j))
+            if i == 0 and j == 10:
+                mt.apply_mlarope_to_deepseek_v3()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, f"unpatched inside a block: {errors[:5]}"
+    assert mt.is_mlarope_applied("deepseek_v3"), "apply's hold outlives the blocks"
+    mt.revert_mlarope_deepseek_v3()
+    assert all(getattr(hf_v3, n) is f for n, f in V3_ORIGINAL.items())
+
+
+def test_revert_inside_a_block_waits_for_the_block():
+    """``revert_mlarope_*`` releases apply's hold; a block still open keeps the patch until it
+    exits."""
+    mt.apply_mlarope_to_deepseek_v3()
+    with mt.mlarope_patched("deepseek_v3"):
+        mt.revert_mlarope_deepseek_v3()
+        assert mt.is_mlarope_applied("deepseek_v3")
+    assert not mt.is_mlarope_applied("deepseek_v3")
+    assert all(getattr(hf_v3, n) is f for n, f in V3_ORIGINAL.items())
 
 
 def test_model_argument_is_checked(device):

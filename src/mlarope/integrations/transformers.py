@@ -15,9 +15,12 @@ What is patched: the module-level rotary functions that the attention's ``forwar
 by name when it runs, so models built before or after the call are both covered:
 
 - ``transformers.models.deepseek_v3.modeling_deepseek_v3``: ``apply_rotary_pos_emb``
-  (``config.rope_interleave=False``: half-split pairs ``(x[j], x[half + j])`` in and out) and
+  (``config.rope_interleave=False``: half-split pairs ``(x[j], x[half + j])`` in and out, pair
+  ``j`` rotated by ``cos[..., j]`` and ``cos[..., half + j]``) and
   ``apply_rotary_pos_emb_interleave`` (``rope_interleave=True``, the default: interleaved pairs
-  ``(x[2j], x[2j + 1])`` in, half-split out). ``q, k: [B, H, S, R]`` (``unsqueeze_dim=1``) or
+  ``(x[2j], x[2j + 1])`` in, half-split out; transformers 5.24 reads only the first half of the
+  tables, ``cos[..., :half]``, for both members of a pair, and older releases read both halves:
+  the self-check finds out which, below). ``q, k: [B, H, S, R]`` (``unsqueeze_dim=1``) or
   ``[B, S, H, R]`` (``unsqueeze_dim=2``), ``cos, sin: [B or 1, S, R]``.
 - ``transformers.models.deepseek_v2.modeling_deepseek_v2``: ``apply_rotary_emb`` (interleaved
   pairs in and out, ``freqs_cis: [B or 1, S, R / 2]`` complex).
@@ -28,10 +31,13 @@ passed to :func:`mlarope.apply_rope_q` as a table of ``Bc * S`` rows (a free res
 ``position_ids[b, s] = b * S + s`` (``b`` = 0 when ``Bc`` = 1): the same numbers transformers
 multiplies by, for any rope type, scaling, position offset or KV-cache step, and nothing is
 recomputed from the config. DeepSeek-V2's complex ``freqs_cis`` becomes ``cat(re, re)`` and
-``cat(im, im)`` (one small copy of ``Bc * S * R`` per table). Queries and keys go in as a
-``bshd`` view (``q.transpose(1, 2)``: no copy; the last dim stays contiguous) and come back as
-the same view of mlarope's output, so shapes and dtypes are the ones transformers returns
-(strides may differ: the result is a transposed view of a contiguous ``[B, S, H, R]`` tensor).
+``cat(im, im)``, and a function that reads only the first half of cos/sin gets
+``cat(cos[..., :half], cos[..., :half])`` (one small copy of ``Bc * S * R`` per table): tables
+whose halves differ are rotated exactly as the replaced function rotates them. Queries and
+keys go in as a ``bshd`` view (``q.transpose(1, 2)``: no copy; the last dim stays contiguous)
+and come back as the same view of mlarope's output, so shapes and dtypes are the ones
+transformers returns (strides may differ: the result is a transposed view of a contiguous
+``[B, S, H, R]`` tensor).
 The shared key ``k_pe: [B, 1, S, R]`` goes through the same query op with one head.
 
 Numerics: mlarope computes in fp32 (fp64 for fp64 tensors) and rounds once. transformers'
@@ -46,9 +52,16 @@ that require grad (mlarope does not differentiate tables), other ``unsqueeze_dim
 unknown extra arguments, empty tensors. Pass ``model=`` to have the rope width checked up front.
 
 Each patch checks itself when applied: the replacement and the function it replaces are run on
-a tiny fp64 CPU probe, and a mismatch (a transformers release that changed the functions'
-semantics) raises ``RuntimeError`` and patches nothing. Applying twice is a no-op; reverting
-restores the original function objects and is a no-op when nothing is patched.
+a tiny fp64 CPU probe whose cos/sin halves differ (so a function that reads one half is told
+from one that reads both), and a mismatch (a transformers release that changed the functions'
+semantics) raises ``RuntimeError`` and patches nothing.
+
+Patching is process-wide, thread-safe and reference-counted (one lock): the patch is in place
+while ``apply_mlarope_to_*`` holds it (applying twice is a no-op; reverting releases that hold
+and is a no-op when there is none) or while any ``mlarope_patched`` block, in any thread, is
+open. The original function objects come back when the last holder lets go: a block that
+another thread's block or an ``apply_mlarope_to_*`` call still needs is not unpatched under it,
+and a revert inside an open block takes effect when the block exits.
 
 Read from transformers 5.24.0 (``models/deepseek_v3/modeling_deepseek_v3.py``,
 ``models/deepseek_v2/modeling_deepseek_v2.py``); facts only.
@@ -56,9 +69,11 @@ Read from transformers 5.24.0 (``models/deepseek_v3/modeling_deepseek_v3.py``,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -90,6 +105,10 @@ class _Target:
     interleaved_in: bool
     interleaved_out: bool
     complex_freqs: bool  # DeepSeek-V2: (xq, xk, freqs_cis) instead of (q, k, cos, sin, ...)
+    # Whether the function reads only cos[..., :half] / sin[..., :half] (the pair's angle) and
+    # uses it for both members of the pair. A candidate: the self-check picks what the installed
+    # function does (``_variants``).
+    first_half_tables: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +137,12 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
 
 # (module name, attribute) -> (the function that was there, our replacement)
 _ACTIVE: dict[tuple[str, str], tuple[Callable, Callable]] = {}
+# Who holds each model type's patch: apply_mlarope_to_* (at most once) and open
+# mlarope_patched blocks (counted). Everything below that reads or changes the patch state
+# does so under _LOCK.
+_APPLIED: set[str] = set()
+_BLOCKS: dict[str, int] = {}
+_LOCK = threading.RLock()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +230,10 @@ def _rotate_cos_sin(
         return None
     batch_rows, seq = dims
     cos2, sin2 = _flat_table(cos, batch_rows * seq), _flat_table(sin, batch_rows * seq)
+    if target.first_half_tables:  # each pair's angle is in the first half: both halves get it
+        half = rope_dim // 2
+        cos2 = torch.cat((cos2[:, :half], cos2[:, :half]), dim=-1)
+        sin2 = torch.cat((sin2[:, :half], sin2[:, :half]), dim=-1)
     ids = _row_ids(batch_rows, seq, q.device)
     # transformers computes q * cos + rotate_half(q) * sin: the promoted dtype of q and cos.
     q_dtype = torch.promote_types(q.dtype, cos.dtype)
@@ -303,50 +332,66 @@ def _make_replacement(original: Callable, target: _Target) -> Callable:
 # ---------------------------------------------------------------------------------------------
 
 
-def _probe(original: Callable, target: _Target) -> None:
+def _variants(target: _Target) -> tuple[_Target, ...]:
+    """What the installed function may do with ``target``'s tables: a cos/sin function may read
+    both halves (transformers' ``apply_rotary_pos_emb``, and ``..._interleave`` before 5.24) or
+    the first half only (``..._interleave`` in 5.24)."""
+    if target.complex_freqs:
+        return (target,)
+    return (target, dataclasses.replace(target, first_half_tables=True))
+
+
+def _probe(original: Callable, target: _Target) -> _Target:
     """Run the replacement's mlarope path and the original on a tiny fp64 CPU input (mlarope's
-    PyTorch reference path, no kernel launch); raise if they disagree."""
+    PyTorch reference path, no kernel launch) and return the variant of ``target`` that agrees
+    with the original; raise if none does. The tables' halves differ (independent random
+    angles and magnitudes), so a replacement that reads the wrong half disagrees."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     batch, heads, seq, rope_dim = 2, 3, 4, 32
     f64 = {"generator": gen, "dtype": torch.float64, "device": "cpu"}
     q = torch.randn(batch, heads, seq, rope_dim, **f64)
     k = torch.randn(batch, 1, seq, rope_dim, **f64)
-    angles = 6.0 * torch.rand(batch, seq, rope_dim // 2, **f64)
-    scale = 1.25  # an attention factor, folded into the tables as transformers does
-    with torch.no_grad():
-        if target.complex_freqs:
-            inputs = (q, k, torch.polar(torch.full_like(angles, scale), angles))
-            ours = _rotate_freqs_cis(target, *inputs)
-        else:
-            emb = torch.cat((angles, angles), dim=-1)
-            inputs = (q, k, scale * emb.cos(), scale * emb.sin())
-            ours = _rotate_cos_sin(target, *inputs, 1)
-        try:
+    if target.complex_freqs:
+        angles = 6.0 * torch.rand(batch, seq, rope_dim // 2, **f64)
+        inputs = (q, k, torch.polar(1.25 + torch.rand(batch, seq, rope_dim // 2, **f64), angles))
+    else:
+        angles = 6.0 * torch.rand(batch, seq, rope_dim, **f64)
+        scale = 1.25 + torch.rand(batch, seq, rope_dim, **f64)  # attention factor-like
+        inputs = (q, k, scale * angles.cos(), scale * angles.sin())
+    try:
+        with torch.no_grad():
             theirs = tuple(original(*inputs))
-        except Exception as e:
-            raise RuntimeError(
-                f"the self-check could not run transformers' {target.attr} on a small fp64 CPU "
-                f"input ({type(e).__name__}: {e}); nothing was patched"
-            ) from e
-    if ours is None:  # cannot happen for this input; guards the probe itself
-        raise RuntimeError(f"mlarope could not take the self-check input for {target.attr}")
-    same_shapes = len(theirs) == 2 and all(
-        isinstance(b, torch.Tensor) and a.shape == b.shape
-        for a, b in zip(ours, theirs, strict=True)
-    )
-    # transformers' DeepSeek-V2 function rotates in fp32 even for fp64 inputs: allow for that
-    # (values here are O(1); a wrong layout, sign or table half is off by O(1)).
-    worst = (
-        max(float((a - b.double()).abs().max()) for a, b in zip(ours, theirs, strict=True))
-        if same_shapes
-        else float("inf")
-    )
-    if worst > 1e-5:
+    except Exception as e:
         raise RuntimeError(
-            f"mlarope's replacement of transformers' {target.attr} disagrees with the installed "
-            f"function on a self-check input (max abs difference {worst:.3g}); this transformers "
-            f"version may have changed its semantics, so nothing was patched"
+            f"the self-check could not run transformers' {target.attr} on a small fp64 CPU "
+            f"input ({type(e).__name__}: {e}); nothing was patched"
+        ) from e
+    worst = float("inf")
+    for variant in _variants(target):
+        with torch.no_grad():
+            if variant.complex_freqs:
+                ours = _rotate_freqs_cis(variant, *inputs)
+            else:
+                ours = _rotate_cos_sin(variant, *inputs, 1)
+        if ours is None:  # cannot happen for this input; guards the probe itself
+            raise RuntimeError(f"mlarope could not take the self-check input for {target.attr}")
+        same_shapes = len(theirs) == 2 and all(
+            isinstance(b, torch.Tensor) and a.shape == b.shape
+            for a, b in zip(ours, theirs, strict=True)
         )
+        # transformers' DeepSeek-V2 function rotates in fp32 even for fp64 inputs: allow for
+        # that (values here are O(1); a wrong layout, sign or table half is off by O(1)).
+        if same_shapes:
+            pairs = zip(ours, theirs, strict=True)
+            diff = max(float((a - b.double()).abs().max()) for a, b in pairs)
+            if diff <= 1e-5:
+                return variant
+            worst = min(worst, diff)
+    raise RuntimeError(
+        f"mlarope's replacement of transformers' {target.attr} disagrees with the installed "
+        f"function on a self-check input (max abs difference {worst:.3g}); this transformers "
+        f"version may have changed its semantics, so nothing was patched"
+    )
 
 
 def _family(model_type: object) -> _Family:
@@ -399,7 +444,8 @@ def _ours(module, attr: str) -> bool:
     return active is not None and getattr(module, attr, None) is active[1]
 
 
-def _apply(model_type: str, model: object) -> None:
+def _patch(model_type: str, model: object) -> None:
+    """Put mlarope's replacements in place (those not already there); the caller holds _LOCK."""
     module = _import(model_type)
     family = _FAMILIES[model_type]
     if model is not None:
@@ -416,8 +462,8 @@ def _apply(model_type: str, model: object) -> None:
         if _ours(module, target.attr):
             continue  # already applied
         original = getattr(module, target.attr)
-        _probe(original, target)
-        new[target.attr] = (original, _make_replacement(original, target))
+        variant = _probe(original, target)
+        new[target.attr] = (original, _make_replacement(original, variant))
     for attr, (original, replacement) in new.items():  # all probes passed: patch them all
         _ACTIVE[(module.__name__, attr)] = (original, replacement)
         setattr(module, attr, replacement)
@@ -440,7 +486,8 @@ def _revert_attr(module, attr: str) -> None:
         )
 
 
-def _revert(model_type: str) -> None:
+def _unpatch(model_type: str) -> None:
+    """Put the original functions back; the caller holds _LOCK."""
     family = _family(model_type)
     try:
         module = importlib.import_module(family.module)
@@ -448,6 +495,24 @@ def _revert(model_type: str) -> None:
         return  # nothing can have been patched
     for target in family.targets:
         _revert_attr(module, target.attr)
+
+
+def _apply(model_type: str, model: object) -> None:
+    """``apply_mlarope_to_*``: patch, and hold the patch (once, however often it is called)."""
+    _family(model_type)
+    with _LOCK:
+        _patch(model_type, model)
+        _APPLIED.add(model_type)
+
+
+def _revert(model_type: str) -> None:
+    """``revert_mlarope_*``: release ``apply_mlarope_to_*``'s hold; unpatch if no open block
+    still holds the patch."""
+    _family(model_type)
+    with _LOCK:
+        _APPLIED.discard(model_type)
+        if not _BLOCKS.get(model_type):
+            _unpatch(model_type)
 
 
 def is_mlarope_applied(model_type: str = "deepseek_v3") -> bool:
@@ -458,8 +523,9 @@ def is_mlarope_applied(model_type: str = "deepseek_v3") -> bool:
         module = importlib.import_module(family.module)
     except ImportError:
         return False
-    targets = _present(module, family)
-    return bool(targets) and all(_ours(module, t.attr) for t in targets)
+    with _LOCK:
+        targets = _present(module, family)
+        return bool(targets) and all(_ours(module, t.attr) for t in targets)
 
 
 def apply_mlarope_to_deepseek_v3(model: torch.nn.Module | None = None) -> None:
@@ -508,16 +574,22 @@ def mlarope_patched(
 ) -> Iterator[None]:
     """Patch ``model_type`` (``"deepseek_v3"`` or ``"deepseek_v2"``) for the ``with`` block.
 
-    On exit, each function is restored to what it was on entry: a block inside an
-    ``apply_mlarope_to_*`` call (or another such block) leaves the patch in place.
+    The block holds the patch (reference-counted, thread-safe): on exit the original functions
+    come back only if no other block, in any thread, is still open and no
+    ``apply_mlarope_to_*`` holds it. So a block inside an ``apply_mlarope_to_*`` call, or
+    another such block, leaves the patch in place, and one thread leaving its block never
+    unpatches another thread's.
     """
-    module = _import(model_type)
-    family = _FAMILIES[model_type]
-    was_ours = {t.attr for t in family.targets if _ours(module, t.attr)}
-    _apply(model_type, model)
+    _family(model_type)
+    with _LOCK:
+        _patch(model_type, model)
+        _BLOCKS[model_type] = _BLOCKS.get(model_type, 0) + 1
     try:
         yield
     finally:
-        for target in family.targets:
-            if target.attr not in was_ours:
-                _revert_attr(module, target.attr)
+        with _LOCK:
+            _BLOCKS[model_type] -= 1
+            if not _BLOCKS[model_type]:
+                del _BLOCKS[model_type]
+                if model_type not in _APPLIED:
+                    _unpatch(model_type)
