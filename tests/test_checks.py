@@ -48,6 +48,12 @@ def call(op: str, *, tokens=(S, B), layout="sbhd", x=None, k_pe=None, cos=None, 
     return mlarope.apply_rope_kv(x, k_pe, cos, sin, layout=layout, **kw)
 
 
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` made under ``torch.inference_mode()`` (an inference tensor)."""
+    with torch.inference_mode():
+        return t.clone()
+
+
 def thd(**kw) -> dict:
     return {"tokens": (T,), "layout": "thd", **kw}
 
@@ -322,6 +328,95 @@ CASES = [
     case("cp_rank-float", lambda op: {"cp_rank": 1.0}, TypeError, "cp_rank", "1.0"),
     case("cp_rank-bool", lambda op: {"cp_rank": True}, TypeError, "cp_rank", "True"),
     case("cp_size-str", lambda op: {"cp_size": "2"}, TypeError, "cp_size", "'2'"),
+    # Integers beyond 64 bits raised a bare OverflowError.
+    case(
+        "cp_size-2**64",
+        lambda op: {"cp_size": 2**64},
+        ValueError,
+        "cp_size must be in [1, 1048576]",
+        str(2**64),
+    ),
+    case(
+        "cp_size-2**64-thd",
+        lambda op: thd(cu_seqlens=torch.tensor([0, 4, 8]), cp_size=2**64),
+        ValueError,
+        "cp_size must be in [1, 1048576]",
+    ),
+    case(
+        "cp_size-2**20+1",
+        lambda op: thd(cu_seqlens=torch.tensor([0, 4, 8]), cp_size=2**20 + 1),
+        ValueError,
+        "cp_size",
+        str(2**20 + 1),
+    ),
+    case(
+        "cp_rank-2**64",
+        lambda op: {"cp_size": 2, "cp_rank": 2**64},
+        ValueError,
+        "cp_rank",
+        str(2**64),
+    ),
+    # --- not dense ---------------------------------------------------------------------------
+    case(
+        "activation-sparse",
+        lambda op: {"x": act(op, (S, B)).to_sparse()},
+        TypeError,
+        "{x} is a sparse_coo tensor",
+        "dense (strided) tensors only",
+    ),
+    case(
+        "cos-sparse",
+        lambda op: {"cos": torch.randn(P, R).to_sparse()},
+        TypeError,
+        "cos is a sparse_coo tensor",
+    ),
+    case(
+        "k_pe-sparse",
+        lambda op: {"k_pe": torch.randn(S, B, 1, R).to_sparse()},
+        TypeError,
+        "k_pe is a sparse_coo tensor",
+        ops=KV_ONLY,
+    ),
+    case(
+        "cu_seqlens-sparse",
+        lambda op: thd(cu_seqlens=torch.tensor([0, 4, 8]).to_sparse()),
+        TypeError,
+        "cu_seqlens is a sparse_coo tensor",
+    ),
+    case(
+        "position_ids-sparse",
+        lambda op: thd(position_ids=torch.arange(T).to_sparse()),
+        TypeError,
+        "position_ids is a sparse_coo tensor",
+    ),
+    # --- the tables are constants (a table that requires grad got no gradient, or an error
+    # from deep inside autograd) ----------------------------------------------------------------
+    case(
+        "cos-requires-grad",
+        lambda op: {"cos": torch.randn(P, R, requires_grad=True)},
+        ValueError,
+        "cos requires grad",
+        "cos.detach()",
+    ),
+    case(
+        "sin-requires-grad-activation-too",
+        lambda op: {
+            "sin": torch.randn(P, R, requires_grad=True),
+            "x": act(op, (S, B), requires_grad=True),
+        },
+        ValueError,
+        "sin requires grad",
+        "sin.detach()",
+    ),
+    # --- in place on an inference tensor outside inference mode (was written silently) --------
+    case(
+        "q-inference-tensor-inplace",
+        lambda op: {"x": _inference(act(op, (S, B))), "inplace": True},
+        ValueError,
+        "q is an inference tensor",
+        "inplace=False",
+        ops=Q_ONLY,
+    ),
     case(
         "cp-odd-local-length",
         lambda op: {"tokens": (5, B), "cp_size": 2},
@@ -548,10 +643,52 @@ def test_inplace_on_a_broadcast_q_is_rejected():
     assert out.shape == q.shape
 
 
-def test_kv_backward_with_zero_heads():
-    cos, sin = torch.randn(64, 32), torch.randn(64, 32)
-    kv = torch.randn(4, 2, 0, 16, requires_grad=True)
-    k_pe = torch.randn(4, 2, 1, 32, requires_grad=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernels", "reference"])
+def test_kv_backward_with_zero_heads(dtype, device):
+    """With no heads ``k_pe`` reaches no output: its gradient is zero in every row, an
+    out-of-range position included, on every backend. (Before: NaN on the reference.)"""
+    device = device if dtype == torch.float32 else torch.device("cpu")
+    cos, sin = torch.randn(64, 32, device=device), torch.randn(64, 32, device=device)
+    kv = torch.randn(4, 2, 0, 16, dtype=dtype, device=device, requires_grad=True)
+    k_pe = torch.randn(4, 2, 1, 32, dtype=dtype, device=device, requires_grad=True)
     k, v = mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=8)
     (k.sum() + v.sum()).backward()
     assert torch.equal(k_pe.grad, torch.zeros_like(k_pe))
+    ids = torch.tensor([[0, 1], [64, 2], [3, -1], [5, 6]], device=device)  # two out of range
+    k_pe.grad = None
+    k, v = mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=8, position_ids=ids)
+    (k.sum() + v.sum()).backward()
+    assert torch.equal(k_pe.grad, torch.zeros_like(k_pe))
+
+
+def test_inplace_on_an_inference_tensor():
+    """Outside inference mode an inference tensor cannot be rotated in place (PyTorch's rule):
+    a ``ValueError`` before anything is written. Inside inference mode it is rotated."""
+    cos, sin = torch.randn(P, R), torch.randn(P, R)
+    q = _inference(torch.randn(S, B, H, N + R))
+    before = q.clone()
+    with pytest.raises(ValueError, match="q is an inference tensor"):
+        mlarope.apply_rope_q(q, cos, sin, inplace=True)
+    assert torch.equal(q, before), "nothing was written"
+    with torch.inference_mode():
+        out = mlarope.apply_rope_q(q, cos, sin, inplace=True)
+    assert out is q and torch.equal(q, mlarope.apply_rope_q(before, cos, sin))
+
+
+@pytest.mark.parametrize("table", ["cos", "sin"])
+@pytest.mark.parametrize("op", ["q", "kv"])
+def test_tables_that_require_grad_work_without_grad_mode(op, table):
+    """Under ``torch.no_grad()`` no gradient is asked for, so a table that requires grad is
+    fine: the same result as its detached value. The reference module's own API follows the
+    contract too."""
+    tables = {"cos": torch.randn(P, R), "sin": torch.randn(P, R)}
+    want = call(op, x=torch.ones(S, B, H, width(op)), k_pe=torch.ones(S, B, 1, R), **tables)
+    tables[table].requires_grad_(True)
+    with torch.no_grad():
+        got = call(op, x=torch.ones(S, B, H, width(op)), k_pe=torch.ones(S, B, 1, R), **tables)
+    for a, b in zip(got if op == "kv" else (got,), want if op == "kv" else (want,), strict=True):
+        assert torch.equal(a, b)
+    from mlarope import reference
+
+    with pytest.raises(ValueError, match=f"{table} requires grad"):
+        reference.apply_rope_q(torch.randn(S, B, H, N + R), tables["cos"], tables["sin"])

@@ -205,7 +205,7 @@ def test_no_plan_where_the_pipeline_does_more(device, monkeypatch):
         mlarope.apply_rope_q(q.requires_grad_(), cos, sin, layout="thd").sum().backward()
         q.requires_grad_(False)
         mlarope.apply_rope_q(q.double(), cos, sin, layout="thd")
-        mlarope.apply_rope_q(q, torch.nn.Parameter(cos), sin, layout="thd")
+        mlarope.apply_rope_q(q, torch.nn.Parameter(cos, requires_grad=False), sin, layout="thd")
     assert calls.q == 6, "every eager call runs the pipeline (autograd runs the Function)"
     assert recorded_plans() == [], "float64 (the only eligible call) launches nothing: no plan"
 
@@ -250,7 +250,7 @@ def test_arguments_without_a_key_still_get_the_checks_errors(device):
     mlarope.apply_rope_q(q, cos, sin, layout="thd")
     with pytest.raises(TypeError, match="layout must be a str"):
         mlarope.apply_rope_q(q, cos, sin, layout=["thd"])
-    with pytest.raises(ValueError, match="contiguous last dim"):
+    with pytest.raises(TypeError, match="q is a sparse_coo tensor; mlarope supports dense"):
         mlarope.apply_rope_q(q.cpu().to_sparse(), cos.cpu(), sin.cpu(), layout="thd")
     with pytest.raises(ValueError, match="negated view"):
         mlarope.apply_rope_q(torch._neg_view(q), cos, sin, layout="thd")
@@ -288,3 +288,41 @@ def test_guard_kind_names_the_guard():
     """``mlarope info`` says which guard runs (the fixture runs each test with both)."""
     expected = "Python" if _plans._TensorGuards is None else "TensorGuards (C++)"
     assert _plans.guard_kind() == expected
+
+
+@pytest.mark.parametrize("op", ["q", "kv"])
+def test_a_table_that_requires_grad_recorded_without_grad_mode(op, device):
+    """Under ``no_grad`` a table that requires grad is fine (no gradient is asked for) and the
+    call gets a plan; with grad mode on the same call raises, plan or not: grad mode is in the
+    key. (Before, the recorded plan ran and the table silently got no gradient.)"""
+    cos, sin = tables(device)
+    cos = cos.clone().requires_grad_(True)
+    q = torch.randn(T, H, N + R, device=device)
+    kv, k_pe = torch.randn(T, H, K + V, device=device), torch.randn(T, 1, R, device=device)
+
+    def run():
+        if op == "q":
+            return mlarope.apply_rope_q(q, cos, sin, layout="thd")
+        return mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=K, layout="thd")
+
+    with torch.no_grad():
+        run()
+        run()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cos requires grad"):
+            run()
+
+
+def test_inference_tensor_recorded_in_inference_mode(device):
+    """An in-place call on an inference tensor gets a plan inside inference mode; outside it the
+    same call raises before anything is written, plan or not (the guard tells the two apart)."""
+    cos, sin = tables(device)
+    with torch.inference_mode():
+        q = torch.randn(T, H, N + R, device=device)
+        for _ in range(3):
+            mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
+    before = q.clone()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="q is an inference tensor"):
+            mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
+    assert torch.equal(q, before), "nothing was written"

@@ -462,6 +462,7 @@ V3 = dict(
         ({"truncate": 1}, TypeError, ["truncate", "1"]),
         ({"attention_factor": 0.0}, ValueError, ["attention_factor", "0.0"]),
         ({"max_position_embeddings": -5}, ValueError, ["max_position_embeddings", "-5"]),
+        ({"dim": 2**64}, ValueError, ["dim must be in [1, 65536]", str(2**64)]),
     ],
 )
 def test_config_validation(overrides: dict, exc: type[Exception], words: list[str]) -> None:
@@ -478,6 +479,7 @@ def test_config_validation(overrides: dict, exc: type[Exception], words: list[st
         (lambda c: c.cos_sin(-3), ValueError, ["max_positions", "-3"]),
         (lambda c: c.cos_sin(8.0), TypeError, ["max_positions", "8.0"]),
         (lambda c: c.cos_sin(True), TypeError, ["max_positions", "True"]),
+        (lambda c: c.cos_sin(2**64), ValueError, ["max_positions must be in [1, 2147483647]"]),
         (lambda c: c.cos_sin(8, device="no_such_device"), ValueError, ["device", "no_such"]),
         (lambda c: c.cos_sin(8, device=1.5), TypeError, ["device", "1.5"]),
         (lambda c: c.cos_sin(8, device="cpu:x"), ValueError, ["device", "cpu:x"]),
@@ -513,6 +515,7 @@ def test_call_validation(call, exc: type[Exception], words: list[str]) -> None:
          ["rope_theta", "1000000.0", "10000.0"]),
         ([("rope_type", "yarn")], {}, TypeError, ["rope_scaling", "list"]),
         ({"rope_type": "default"}, {"dim": 63}, ValueError, ["dim", "63"]),
+        ({"rope_type": "default"}, {"dim": 2**64}, ValueError, ["dim must be in [1, 65536]"]),
     ],
 )  # fmt: skip
 def test_from_hf_validation(

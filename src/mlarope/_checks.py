@@ -12,11 +12,15 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad as _fwad
 
 LAYOUTS = ("sbhd", "bshd", "thd")
 ROPE_DIMS = (32, 64, 128)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Far beyond any context-parallel group, and small enough that no position arithmetic of the
+# kernels (``(t + 1) * cp_size``, ``2 * cp_size - 1 - cp_rank`` in 32 bits) can overflow.
+MAX_CP_SIZE = 2**20
 
 
 @dataclass(frozen=True)
@@ -47,17 +51,32 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
+def check_int(
+    name: str, value: object, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """An int (not a bool) in ``[minimum, maximum]`` (either bound optional)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail_type(name, value, "an int")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        if maximum is None:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        if minimum is None:
+            raise ValueError(f"{name} must be <= {maximum}, got {value}")
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
     return value
 
 
 def check_tensor(name: str, value: object) -> torch.Tensor:
+    """A dense (strided) ``torch.Tensor``: the kernels read memory through strides, which sparse,
+    nested and other layouts do not have."""
     if not isinstance(value, torch.Tensor):
         raise _fail_type(name, value, "a torch.Tensor")
+    if value.layout is not torch.strided or value.is_nested:
+        kind = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+        hint = "" if value.is_nested else f": pass {name}.to_dense()"
+        raise TypeError(
+            f"{name} is a {kind} tensor; mlarope supports dense (strided) tensors only{hint}"
+        )
     return value
 
 
@@ -169,7 +188,7 @@ def check_positions(
     cp_size: object,
 ) -> Positions:
     """Check the position source against ``x``'s token dims and the table length."""
-    cp_size = check_int("cp_size", cp_size, minimum=1)
+    cp_size = check_int("cp_size", cp_size, minimum=1, maximum=MAX_CP_SIZE)
     cp_rank = check_int("cp_rank", cp_rank, minimum=0)
     if cp_rank >= cp_size:
         raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
@@ -232,13 +251,42 @@ def check_positions(
 
 def check_inplace_target(name: str, x: torch.Tensor) -> None:
     """An in-place target must not have elements that share memory (a broadcast, stride-0
-    dim): two programs would rotate the same element, which is wrong and, on a GPU, a race."""
+    dim): two programs would rotate the same element, which is wrong and, on a GPU, a race.
+    Nor be an inference tensor outside inference mode, which PyTorch forbids writing to (the
+    kernels write through a raw pointer, so PyTorch's own check never runs: raise first)."""
+    if (
+        not torch.compiler.is_compiling()
+        and x.is_inference()
+        and not torch.is_inference_mode_enabled()
+    ):
+        raise ValueError(
+            f"{name} is an inference tensor (made under torch.inference_mode()), which cannot "
+            f"be modified in place outside inference mode (PyTorch's rule); pass inplace=False, "
+            f"call inside torch.inference_mode(), or pass {name}.clone()"
+        )
     for size, stride in zip(x.shape, x.stride(), strict=True):
         if size > 1 and stride == 0:
             raise ValueError(
                 f"{name} has elements that share memory (shape {tuple(x.shape)}, strides "
                 f"{tuple(x.stride())}: a broadcast dim), so it cannot be rotated in place; "
                 f"pass inplace=False or {name}.contiguous()"
+            )
+
+
+def check_tables_constant(cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """mlarope does not differentiate the tables: a table that requires grad (with grad mode on)
+    or carries a forward-mode tangent is rejected, on every backend, rather than get no
+    gradient without a word."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name} requires grad; mlarope does not differentiate the tables (no gradient "
+                f"flows to cos or sin): pass {name}.detach()"
+            )
+        if _fwad._current_level >= 0 and _fwad.unpack_dual(t).tangent is not None:
+            raise ValueError(
+                f"{name} carries a forward-mode tangent; mlarope does not differentiate the "
+                f"tables: pass its primal (forward_ad.unpack_dual({name}).primal)"
             )
 
 
@@ -375,6 +423,7 @@ def check_q_call(
     layout = check_layout(layout)
     q = check_activation("q", q, layout)
     cos2d, sin2d = check_tables(cos, sin, q.device)
+    check_tables_constant(cos, sin)
     check_rope_width("q", q.shape[-1], cos2d.shape[-1])
     for name, flag in (
         ("interleaved", interleaved),
@@ -407,6 +456,7 @@ def check_kv_call(
     layout = check_layout(layout)
     kv, k_pe, k_dim = check_kv_inputs(kv, k_pe, k_dim, layout)
     cos2d, sin2d = check_tables(cos, sin, kv.device)
+    check_tables_constant(cos, sin)
     check_same_rope_dim("k_pe", k_pe, cos2d.shape[-1])
     check_bool("interleaved", interleaved)
     check_bool("interleaved_out", interleaved_out)

@@ -10,13 +10,15 @@ to 10-19 µs on the H200 machine (docs/benchmarks.md, host overhead).
 
 A call's plan is found in two steps. A dict key holds the flags and integers with their types
 (so ``1`` never stands in for ``True``), the first tensor's shape, every tensor's address
-modulo 16 (Triton specializes on 16-byte alignment) and the current device (on the CPU: the
-backend TRITON_INTERPRET selects). Each entry's guard
-then checks every tensor's class, dtype, device, dispatch keys, ``requires_grad``, sizes and
-strides against the recorded call, in C++ (``torch._C._dynamo.guards.TensorGuards``, what
-``torch.compile`` guards its graphs with; a Python comparison of the same fields where that is
+modulo 16 (Triton specializes on 16-byte alignment), the current device (on the CPU: the
+backend TRITON_INTERPRET selects) and grad mode (the checks reject a table that requires grad
+with grad mode on only). Each entry's guard
+then checks every tensor's class, dtype, device, dispatch keys (which tell an inference tensor
+in inference mode from one outside it), ``requires_grad``, sizes and strides against the
+recorded call, in C++ (``torch._C._dynamo.guards.TensorGuards``, what ``torch.compile`` guards
+its graphs with; a Python comparison of the same fields and inference mode where that is
 missing). So a call can only take a plan if the full pipeline would pass every check and make
-the very same launch.
+the very same launch. Calls under forward-mode AD never take one (a tangent is not metadata).
 
 The kernels see a tensor argument only through its address and dtype (every stride is an
 integer argument). A launch argument that is a view of an input with the same address (``k_pe``
@@ -33,6 +35,8 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+from torch import is_grad_enabled as _is_grad_enabled
+from torch.autograd import forward_ad as _fwad
 
 from ._checks import env_validation
 
@@ -80,10 +84,12 @@ def _plain_call(
     layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
 ) -> bool:
     """The conditions both ops' plans share: no compile tracing (checked first, so Dynamo
-    traces nothing below), no ``cu_seqlens`` search, no validation, a layout that is a str, ints
-    that are ints and flags that are bools (so 1 never stands in for True)."""
+    traces nothing below), no forward-mode AD (a tensor's tangent is not in its metadata: a
+    dual tensor would pass the guard), no ``cu_seqlens`` search, no validation, a layout that
+    is a str, ints that are ints and flags that are bools (so 1 never stands in for True)."""
     return not (
         torch.compiler.is_compiling()
+        or _fwad._current_level >= 0
         or layout.__class__ is not str
         or cu_seqlens is not None
         or validate is not False
@@ -112,11 +118,12 @@ def query_signature(
         return None
     tensors = (q, cos, sin) if position_ids is None else (q, cos, sin, position_ids)
     alignment = _alignment(tensors)
-    if alignment is None or (q.requires_grad and torch.is_grad_enabled()):
+    grad_mode = _is_grad_enabled()
+    if alignment is None or (q.requires_grad and grad_mode):
         return None
     key = (
         "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace,
-        len(tensors), q.shape, alignment, _device_key(q),
+        len(tensors), q.shape, alignment, _device_key(q), grad_mode,
     )  # fmt: skip
     return key, tensors
 
@@ -136,11 +143,12 @@ def kv_signature(
         return None
     tensors = (kv, k_pe, cos, sin) if position_ids is None else (kv, k_pe, cos, sin, position_ids)
     alignment = _alignment(tensors)
-    if alignment is None or ((kv.requires_grad or k_pe.requires_grad) and torch.is_grad_enabled()):
+    grad_mode = _is_grad_enabled()
+    if alignment is None or ((kv.requires_grad or k_pe.requires_grad) and grad_mode):
         return None
     key = (
         "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v,
-        len(tensors), kv.shape, alignment, _device_key(kv),
+        len(tensors), kv.shape, alignment, _device_key(kv), grad_mode,
     )  # fmt: skip
     return key, tensors
 
@@ -214,10 +222,12 @@ def guard_kind() -> str:
 
 
 def _metadata(tensors) -> tuple:
-    return tuple(
-        (t.__class__, t.dtype, t.device, t.requires_grad, t.is_neg(), t.is_inference(), t.shape,
-         t.stride())
-        for t in tensors
+    # Inference mode too: TensorGuards sees an inference tensor differently in and out of it,
+    # and an in-place call on one is rejected outside it.
+    return (
+        torch.is_inference_mode_enabled(),
+        *((t.__class__, t.dtype, t.device, t.requires_grad, t.is_neg(), t.is_inference(),
+           t.shape, t.stride()) for t in tensors),
     )  # fmt: skip
 
 

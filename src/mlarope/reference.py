@@ -170,15 +170,19 @@ def rope_kv_backward(
     ``dkv: [tokens..., H, K + V]``, ``dk_pe: [tokens..., R]``.
 
     ``dk_pe`` is the transpose rotation of the sum over heads of ``dk[..., K:]``, accumulated in
-    the compute dtype head after head (``((g_0 + g_1) + g_2) + ...``, the kernels' order) and
-    rounded once.
+    the compute dtype head after head (``((g_0 + g_1) + g_2) + ...``) and rounded once. The
+    kernels add the heads in another fixed order (pairwise within chunks of 16 heads:
+    ``kernels/kv.py``, ``_sum_heads``), so for three or more heads the two can differ in the
+    last bits, each within the fp32 summation bound.
+
+    With no heads (``H == 0``) ``k_pe`` reaches no output, and its gradient is zero in every row,
+    whatever the position (an out-of-range one included), as the kernels write it.
     """
     dtype = compute_dtype(dk.dtype)
     dkv = torch.cat((dk[..., :k_dim], dv), dim=-1)
     if dk.shape[-2] == 0:
-        total = torch.zeros((*dk.shape[:-2], dk.shape[-1] - k_dim), dtype=dtype, device=dk.device)
-    else:
-        total = dk[..., 0, k_dim:].to(dtype)
+        return dkv, dk.new_zeros((*dk.shape[:-2], dk.shape[-1] - k_dim))
+    total = dk[..., 0, k_dim:].to(dtype)
     for head in range(1, dk.shape[-2]):
         total = total + dk[..., head, k_dim:].to(dtype)
     cos_rows, sin_rows, is_padding, in_range = _tables_for(

@@ -51,6 +51,11 @@ _HF_KEYS = frozenset(
     }
 )
 _HF_ROPE_TYPES = ("yarn", "default")
+# Bounds of the integer arguments that size tensors, far beyond any model (rotary widths of
+# 32-128 channels, contexts of a few hundred thousand positions): a clear ValueError instead of
+# an OverflowError from torch.
+MAX_DIM = 2**16
+MAX_POSITIONS = 2**31 - 1
 
 
 def _check_real(
@@ -160,7 +165,7 @@ class YarnConfig:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
-        dim = check_int("dim", self.dim, minimum=1)
+        dim = check_int("dim", self.dim, minimum=1, maximum=MAX_DIM)
         if dim % 2:
             raise ValueError(f"dim must be even (pairs of rotary channels), got {dim}")
         put("base", _check_real("base", self.base, greater_than=1.0))
@@ -281,7 +286,7 @@ class YarnConfig:
             )
         base = theta_kw if theta_kw is not None else theta_dict
 
-        head_dim = check_int("dim", dim, minimum=1)
+        head_dim = check_int("dim", dim, minimum=1, maximum=MAX_DIM)
         partial = _check_real(
             "rope_scaling['partial_rotary_factor']",
             params.get("partial_rotary_factor", 1.0),
@@ -471,7 +476,7 @@ class YarnConfig:
         (``.clone()`` first if you need to). An in-place change is detected on the next call
         (through the tensor's version counter), which then warns and rebuilds the table.
         """
-        p = check_int("max_positions", max_positions, minimum=1)
+        p = check_int("max_positions", max_positions, minimum=1, maximum=MAX_POSITIONS)
         dev = _resolve_device(device)
         key = (self, p, dev)
         with _cache_lock:
