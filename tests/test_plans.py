@@ -326,3 +326,22 @@ def test_inference_tensor_recorded_in_inference_mode(device):
         with pytest.raises(ValueError, match="q is an inference tensor"):
             mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
     assert torch.equal(q, before), "nothing was written"
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_forward_ad_never_takes_a_plan(inplace, device):
+    """A dual tensor has a plain tensor's metadata, so a plan would drop its tangent: calls
+    under forward-mode AD always take the pipeline."""
+    from torch.autograd import forward_ad as fwAD
+
+    cos, sin = tables(device)
+    q = torch.randn(T, H, N + R, device=device)
+    for _ in range(2):  # record a plan
+        mlarope.apply_rope_q(q.clone(), cos, sin, layout="thd", inplace=inplace)
+    tangent = torch.randn_like(q)
+    with fwAD.dual_level():
+        out = mlarope.apply_rope_q(fwAD.make_dual(q.clone(), tangent.clone()), cos, sin,
+                                   layout="thd", inplace=inplace)  # fmt: skip
+        got = fwAD.unpack_dual(out).tangent
+    assert got is not None, "the tangent was dropped"
+    assert torch.equal(got, mlarope.apply_rope_q(tangent, cos, sin, layout="thd"))

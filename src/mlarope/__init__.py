@@ -16,9 +16,10 @@ import torch
 
 from . import _checks, _plans, reference
 from .ops import (
-    RopeKVFunction,
-    RopeQFunction,
+    needs_autograd,
+    rope_kv_differentiable,
     rope_kv_impl,
+    rope_q_differentiable,
     rope_q_impl,
     rope_q_inplace_impl,
     use_triton,
@@ -27,10 +28,6 @@ from .yarn import YarnConfig
 
 __all__ = ["YarnConfig", "__version__", "apply_rope_kv", "apply_rope_q", "reference"]
 __version__ = "0.1.0"
-
-
-def _needs_autograd(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def apply_rope_q(
@@ -82,6 +79,10 @@ def apply_rope_q(
             raising ``ValueError``; costs a device sync. Also on with ``MLAROPE_VALIDATE=1``.
             Without it an out-of-range row comes out as NaN.
 
+    Differentiable to any order in ``q`` (backward, double backward, forward-mode AD,
+    ``torch.func``), in place or not. The tables are constants: a ``cos`` or ``sin`` that
+    requires grad raises ``ValueError`` (pass ``cos.detach()``).
+
     Returns:
         ``[..., H, N + R]``: a new tensor, or ``q`` itself when ``inplace``.
     """
@@ -110,15 +111,8 @@ def apply_rope_q(
         cos2d, sin2d, positions.cu_seqlens, positions.position_ids, positions.layout,
         positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse,
     )  # fmt: skip
-    if inplace and _needs_autograd(q) and torch.compiler.is_compiling():
-        # Compiled with autograd, the in-place op is the out-of-place op copied back: torch
-        # 2.11's compiled backward of an autograd.Function that marks its in-place custom op's
-        # input dirty passed the gradient through unrotated (docs/semantics.md). The same values
-        # and gradients, bit for bit; it moves whole rows twice (about 4 (N + R) elements per
-        # row instead of 2 R) unless Inductor fuses the copy.
-        return q.copy_(RopeQFunction.apply(q, *args, False, False))
-    if _needs_autograd(q) or torch.compiler.is_compiling():
-        return RopeQFunction.apply(q, *args, inplace, inplace_backward)
+    if torch.compiler.is_compiling() or needs_autograd(q):
+        return rope_q_differentiable(q, *args, inplace, inplace_backward)
     with _recording(signature if plan is _plans.MISSING else None) as launches:
         if inplace:
             rope_q_inplace_impl(q, *args, False)
@@ -163,6 +157,8 @@ def apply_rope_kv(
         copy_v: return ``v`` as a new contiguous tensor (True) or as the strided view
             ``kv[..., K:]`` (False), which saves writing ``V`` channels per head.
 
+    Differentiable to any order in ``kv`` and ``k_pe``, as :func:`apply_rope_q` in ``q``.
+
     Returns:
         ``k: [..., H, K + R]`` (``kv[..., :K]`` then the rotated ``k_pe``) and ``v: [..., H, V]``.
     """
@@ -186,8 +182,8 @@ def apply_rope_kv(
         cos2d, sin2d, positions.cu_seqlens, positions.position_ids, positions.layout,
         positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v,
     )  # fmt: skip
-    if _needs_autograd(kv, k_pe) or torch.compiler.is_compiling():
-        return RopeKVFunction.apply(kv, k_pe, *args)
+    if torch.compiler.is_compiling() or needs_autograd(kv, k_pe):
+        return rope_kv_differentiable(kv, k_pe, *args)
     with _recording(signature if plan is _plans.MISSING else None) as launches:
         k, v = rope_kv_impl(kv, k_pe, *args)
     if launches is not None:

@@ -17,6 +17,8 @@ import os
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
+from torch.autograd import forward_ad as _fwad
 
 from . import reference
 from ._checks import Positions
@@ -215,70 +217,211 @@ def search_for_backward(
     """An eager forward's ``cu_seqlens`` search, run once so that its backward reuses it:
     ``[T]`` int64 positions of the thd input ``x: [T, H, D]``, or None where the kernels look
     positions up without a search (no ``cu_seqlens``, no tokens), where they do not run (the
-    PyTorch backend) and when compiling (Inductor's graph calls the custom ops, which search).
+    PyTorch backend), when compiling (Inductor's graph calls the custom ops, which search) and
+    inside ``torch.func`` transforms (each direction then searches for itself).
     Saves one launch per backward (5-9 µs on the H200 at 16,384 tokens) for 8 bytes a token
     kept until the backward."""
     if cu_seqlens is None or x.shape[0] == 0 or _compiling() or not use_triton(x):
         return None
+    if _functorch.maybe_current_level() is not None:
+        return None  # inside a torch.func transform a new tensor is a wrapper: unreadable
     from .kernels._lookup import searched_positions
 
     return searched_positions(cu_seqlens, x.shape[0], cp_rank, cp_size)
 
 
 # ------------------------------------------------------------------------------- autograd
-class RopeQFunction(torch.autograd.Function):
-    """Query op with autograd. The backward is the same kernel with ``transpose=True`` and the
-    input and output layouts swapped. By default it is out of place, for the in-place op too:
-    the incoming gradient may be shared (``a + b`` hands one tensor to both branches;
-    ``z.backward(g)`` hands the caller's ``g``), so rotating it in place, as Megatron-Core does,
-    can corrupt another branch's gradient. That costs the nope channels' bytes.
+# Both ops are linear in their activations (the tables are constants), so every derivative is
+# again one of the ops:
+#
+# - query op ``R``: its backward is ``R^T``, the same op with ``transpose`` flipped and the
+#   input and output layouts swapped, and the backward of ``R^T`` is ``R`` again; its tangent
+#   (forward-mode AD) is ``R`` applied to the tangent;
+# - key/value op ``F: (kv, k_pe) -> (k, v)``: its backward is ``B: (dk, dv) -> (dkv, dk_pe)``,
+#   and the backward of ``B`` is ``F`` applied to ``(g_dkv, g_dk_pe)``; tangents go through ``F``
+#   and ``B`` themselves.
+#
+# A backward or tangent that itself needs differentiating (``create_graph=True``, forward AD,
+# torch.func) therefore calls the op through its autograd function (``_apply_q``,
+# ``_apply_kv``, ``_apply_kv_backward``), which records it again, to any order. Otherwise it
+# calls the implementation directly, as before: no autograd overhead on a plain backward.
+#
+# Dynamo cannot trace an autograd function that defines ``jvp``, nor ``mark_dirty``: while
+# compiling, the functions without ``jvp`` (``_Compiled*``) run, and calls that need no
+# gradient go to the custom ops directly (``rope_q_differentiable``, ``rope_kv_differentiable``).
+
+
+def needs_autograd(*tensors: Tensor) -> bool:
+    """Whether an application to ``tensors`` must go through the autograd functions: grad mode
+    is on and one of them requires grad, forward-mode AD is on, or one of them is a
+    ``torch.func`` gradient wrapper (which only the autograd functions unwrap for the kernels).
+    """
+    if _fwad._current_level >= 0:
+        return True
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return True
+    return _functorch.maybe_current_level() is not None and any(
+        _functorch.is_gradtrackingtensor(t) for t in tensors
+    )
+
+
+def _ready(t: Tensor) -> Tensor:
+    """A gradient or tangent as the kernels read it: no lazy negation (neg bit), a contiguous
+    last dim, and not the wrapper of a ``torch.func`` transform that has returned (a backward
+    run after ``torch.func.vjp`` returned gets those)."""
+    if not _compiling() and _functorch.is_functorch_wrapped_tensor(t):  # Dynamo skips these
+        t = _functorch.unwrap_if_dead(t)
+    t = t.resolve_neg()
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _constants(tensors) -> tuple:
+    """The tables and positions (never differentiated: ``_checks.check_tables_constant``) as
+    plain tensors, to be saved for the backward or ``jvp``. Inside a ``torch.func`` transform
+    they may be its wrappers, which outlive the transform (a backward run after
+    ``torch.func.vjp`` returned) and which the kernels cannot read."""
+    if _compiling() or _functorch.maybe_current_level() is None:
+        return tuple(tensors)
+    plain = []
+    for t in tensors:
+        while t is not None and _functorch.is_functorch_wrapped_tensor(t):
+            t = _functorch.get_unwrapped(t)
+        plain.append(t)
+    return tuple(plain)
+
+
+class _RopeQBase(torch.autograd.Function):
+    """The query op ``R`` (``transpose=False``) or its transpose ``R^T`` (``transpose=True``,
+    read in ``interleaved_out`` and written in ``interleaved``, as the backward calls it).
+
+    The backward is out of place by default, for the in-place op too: the incoming gradient may
+    be shared (``a + b`` hands one tensor to both branches; ``z.backward(g)`` hands the caller's
+    ``g``), so rotating it in place, as Megatron-Core does, can corrupt another branch's
+    gradient. That costs the nope channels' bytes.
 
     With ``inplace_backward`` the caller vouches that nothing else holds the gradient (``q``
     feeds one attention kernel), and an eager backward rotates the gradient's rope channels in
     place and returns it: ``2 R`` instead of ``2 (N + R)`` elements a row. It falls back to out
-    of place where that is not possible (``_grad_rotatable_in_place``) and when compiling.
-    See docs/semantics.md."""
+    of place where that is not possible (``_grad_rotatable_in_place``), for double backward and
+    when compiling. See docs/semantics.md."""
 
     @staticmethod
-    def forward(ctx, q, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size,
-                interleaved, interleaved_out, inverse, inplace, inplace_backward):  # fmt: skip
-        args = (cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size)
-        searched = search_for_backward(q, cu_seqlens, cp_rank, cp_size)
+    def forward(q, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank, cp_size,
+                interleaved, interleaved_out, inverse, transpose, inplace,
+                inplace_backward):  # fmt: skip
+        args = (
+            cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, interleaved,
+            interleaved_out, inverse, transpose, searched,
+        )  # fmt: skip
         if inplace:
-            _q_inplace(q, *args, interleaved, interleaved_out, inverse, False, searched)
+            _q_inplace(q, *args)
+            return q
+        return _q(q, *args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, *constants = inputs[:6]
+        if inputs[-2]:  # inplace
             ctx.mark_dirty(q)
-            out = q
-        else:
-            out = _q(q, *args, interleaved, interleaved_out, inverse, False, searched)
-        ctx.save_for_backward(cos, sin, cu_seqlens, position_ids, searched)
-        ctx.flags = (layout, cp_rank, cp_size, interleaved, interleaved_out, inverse)
-        ctx.inplace_backward = inplace_backward
-        return out
+        ctx.save_for_backward(*_constants(constants))
+        ctx.flags = tuple(inputs[6:])
 
     @staticmethod
     def backward(ctx, grad):
-        cos, sin, cu_seqlens, position_ids, searched = ctx.saved_tensors
-        layout, cp_rank, cp_size, interleaved, interleaved_out, inverse = ctx.flags
-        args = (cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size)
-        # The kernels read memory: a contiguous last dim, and no lazy negation (neg bit).
-        grad = grad.resolve_neg()
-        if grad.stride(-1) != 1:
-            grad = grad.contiguous()
-        if ctx.inplace_backward and _grad_rotatable_in_place(grad):
-            _q_inplace(grad, *args, interleaved_out, interleaved, inverse, True, searched)
-            return (grad,) + (None,) * 12
-        dq = _q(grad, *args, interleaved_out, interleaved, inverse, True, searched)
-        return (dq,) + (None,) * 12
+        tensors = ctx.saved_tensors
+        layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, transpose = ctx.flags[:7]
+        grad = _ready(grad)
+        # The transpose: read in the output layout, write in the input layout.
+        flags = (layout, cp_rank, cp_size, interleaved_out, interleaved, inverse, not transpose)
+        if ctx.flags[8] and _grad_rotatable_in_place(grad):  # inplace_backward
+            _q_inplace(grad, *_q_args(tensors, flags))
+            return (grad,) + (None,) * 14
+        return (_apply_q(grad, tensors, flags, False),) + (None,) * 14
+
+
+class RopeQFunction(_RopeQBase):
+    """The query op with autograd and forward-mode AD (eager; ``torch.func`` transforms too).
+    Inputs: ``q, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank, cp_size,
+    interleaved, interleaved_out, inverse, transpose, inplace, inplace_backward``, where
+    ``searched`` is ``search_for_backward``'s result (or None)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _RopeQBase.setup_context(ctx, inputs, output)
+        if _fwad._current_level >= 0:
+            ctx.save_for_forward(*_constants(inputs[1:6]))
+
+    @staticmethod
+    def jvp(ctx, tangent, *_):
+        if tangent is None:  # only the tables could carry one, and the API rejects that
+            return None
+        flags = ctx.flags[:7]
+        if ctx.flags[7]:  # in place: the tangent is rotated in place, as PyTorch requires
+            return _apply_q(tangent, ctx.saved_tensors, flags, True)
+        return _apply_q(_ready(tangent), ctx.saved_tensors, flags, False)
+
+
+class _CompiledRopeQFunction(_RopeQBase):
+    """The query op with autograd while compiling: no ``jvp``, which Dynamo cannot trace."""
+
+
+def _q_args(tensors: tuple, flags: tuple) -> tuple:
+    """``(cos, sin, cu_seqlens, position_ids, searched)`` and ``(layout, cp_rank, cp_size,
+    interleaved_in, interleaved_out, inverse, transpose)`` -> the implementations' arguments
+    after the input."""
+    cos, sin, cu_seqlens, position_ids, searched = tensors
+    return (cos, sin, cu_seqlens, position_ids, *flags, searched)
+
+
+def _apply_q(x: Tensor, tensors: tuple, flags: tuple, inplace: bool) -> Tensor:
+    """The query op on ``x`` (a gradient or a tangent), recorded by autograd when it needs to
+    be (double backward, forward AD, torch.func), else the implementation itself."""
+    if needs_autograd(x):
+        function = _CompiledRopeQFunction if _compiling() else RopeQFunction
+        return function.apply(x, *tensors, *flags, inplace, False)
+    if inplace:
+        _q_inplace(x, *_q_args(tensors, flags))
+        return x
+    return _q(x, *_q_args(tensors, flags))
+
+
+def rope_q_differentiable(
+    q: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
+    position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int, interleaved: bool,
+    interleaved_out: bool, inverse: bool, inplace: bool, inplace_backward: bool,
+) -> Tensor:  # fmt: skip
+    """The query op on checked arguments where autograd, forward AD or ``torch.compile`` is
+    involved (``needs_autograd(q)`` or compiling); the public API runs everything else itself.
+
+    Compiled, a call that needs no gradient is the custom op itself (Dynamo cannot trace the
+    autograd function's ``mark_dirty``), and an in-place call that needs one is the out-of-place
+    op copied back into ``q``: torch 2.11's compiled backward of an autograd function that marks
+    its in-place custom op's input dirty passed the gradient through unrotated
+    (docs/semantics.md). The same values and gradients, bit for bit; it moves whole rows twice
+    (about ``4 (N + R)`` elements per row instead of ``2 R``) unless Inductor fuses the copy."""
+    tensors = (cos, sin, cu_seqlens, position_ids)
+    flags = (layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, False)
+    if _compiling():
+        if not (torch.is_grad_enabled() and q.requires_grad):
+            if inplace:
+                rope_q_inplace_op(q, *tensors, *flags, None)
+                return q
+            return rope_q_op(q, *tensors, *flags, None)
+        if inplace:
+            return q.copy_(_CompiledRopeQFunction.apply(q, *tensors, None, *flags, False, False))
+        return _CompiledRopeQFunction.apply(q, *tensors, None, *flags, False, inplace_backward)
+    searched = search_for_backward(q, cu_seqlens, cp_rank, cp_size)
+    return RopeQFunction.apply(q, *tensors, searched, *flags, inplace, inplace_backward)
 
 
 def _grad_rotatable_in_place(grad: Tensor) -> bool:
     """Whether the backward may rotate ``grad`` in place (given ``inplace_backward``): in eager
     mode (compiled, the custom op would be functionalized into a copy anyway), not a tensor of
-    a double-backward graph, not an inference tensor (PyTorch forbids writing one outside
-    inference mode), and every element its own memory, dense and non-overlapping (a broadcast
-    gradient, such as ``out.sum()``'s, is not). The caller made the last dim
+    a double-backward graph or of forward AD, not an inference tensor (PyTorch forbids writing
+    one outside inference mode), and every element its own memory, dense and non-overlapping (a
+    broadcast gradient, such as ``out.sum()``'s, is not). The caller made the last dim
     contiguous and resolved a lazy negation (a new tensor, then)."""
-    if _compiling() or grad.requires_grad or grad.is_inference():
+    if _compiling() or needs_autograd(grad) or grad.is_inference():
         return False
     expected = 1
     for size, stride in sorted(zip(grad.shape, grad.stride(), strict=True), key=lambda d: d[1]):
@@ -290,35 +433,161 @@ def _grad_rotatable_in_place(grad: Tensor) -> bool:
     return True
 
 
-class RopeKVFunction(torch.autograd.Function):
-    """Key/value op with autograd; the backward produces ``dkv`` and ``dk_pe`` in one launch."""
+class _RopeKVBase(torch.autograd.Function):
+    """The key/value op ``F``; its backward ``B`` (``_RopeKVBackwardBase``) produces ``dkv``
+    and ``dk_pe`` in one launch."""
 
     @staticmethod
-    def forward(ctx, kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size,
-                k_dim, interleaved, interleaved_out, copy_v):  # fmt: skip
-        searched = search_for_backward(kv, cu_seqlens, cp_rank, cp_size)
+    def forward(kv, k_pe, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank,
+                cp_size, k_dim, interleaved, interleaved_out, copy_v):  # fmt: skip
         k, v = _kv(
             kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
             interleaved, interleaved_out, copy_v, searched,
         )  # fmt: skip
-        if not copy_v:
-            v = kv[..., k_dim:]
-        ctx.save_for_backward(cos, sin, cu_seqlens, position_ids, searched)
-        ctx.flags = (layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out)
-        ctx.k_pe_shape = k_pe.shape
-        return k, v
+        return k, (v if copy_v else kv[..., k_dim:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*_constants(inputs[2:7]))
+        # layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v
+        ctx.flags = tuple(inputs[7:])
 
     @staticmethod
     def backward(ctx, dk, dv):
-        cos, sin, cu_seqlens, position_ids, searched = ctx.saved_tensors
-        layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out = ctx.flags
-        dk, dv = dk.resolve_neg(), dv.resolve_neg()
-        if dk.stride(-1) != 1:
-            dk = dk.contiguous()
-        if dv.stride(-1) != 1:
-            dv = dv.contiguous()
-        dkv, dk_pe = _kv_backward(
+        dkv, dk_pe = _apply_kv_backward(_ready(dk), _ready(dv), ctx.saved_tensors, ctx.flags[:6])
+        return (dkv, dk_pe) + (None,) * 12
+
+
+class RopeKVFunction(_RopeKVBase):
+    """The key/value op with autograd and forward-mode AD (eager; ``torch.func`` transforms
+    too). Inputs: ``kv, k_pe [tokens..., R], cos, sin, cu_seqlens, position_ids, searched,
+    layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v``."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _RopeKVBase.setup_context(ctx, inputs, output)
+        if _fwad._current_level >= 0:
+            ctx.save_for_forward(*_constants(inputs[2:7]))
+            ctx.like = _zeros_spec(*inputs[:2])
+
+    @staticmethod
+    def jvp(ctx, t_kv, t_k_pe, *_):
+        t_kv, t_k_pe = _tangents((t_kv, t_k_pe), ctx.like)
+        return _apply_kv(t_kv, t_k_pe, ctx.saved_tensors, ctx.flags)
+
+
+class _CompiledRopeKVFunction(_RopeKVBase):
+    """The key/value op with autograd while compiling (no ``jvp``)."""
+
+
+class _RopeKVBackwardBase(torch.autograd.Function):
+    """``B: (dk, dv) -> (dkv, dk_pe)``, the key/value op's backward, as a function of its own so
+    that it can be differentiated: ``B``'s backward is ``F`` on ``(g_dkv, g_dk_pe)``."""
+
+    @staticmethod
+    def forward(dk, dv, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank, cp_size,
+                k_dim, interleaved, interleaved_out):  # fmt: skip
+        return _kv_backward(
             dk, dv, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
             interleaved, interleaved_out, searched,
         )  # fmt: skip
-        return (dkv, dk_pe.view(ctx.k_pe_shape)) + (None,) * 11
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*_constants(inputs[2:7]))
+        ctx.flags = tuple(inputs[7:])  # layout, cp_rank, cp_size, k_dim, interleaved, il_out
+
+    @staticmethod
+    def backward(ctx, g_dkv, g_dk_pe):
+        g_dk, g_dv = _apply_kv(
+            _ready(g_dkv), _ready(g_dk_pe), ctx.saved_tensors, (*ctx.flags, False)
+        )
+        return (g_dk, g_dv) + (None,) * 11
+
+
+class _RopeKVBackwardFunction(_RopeKVBackwardBase):
+    """``B`` with autograd and forward-mode AD (eager)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _RopeKVBackwardBase.setup_context(ctx, inputs, output)
+        if _fwad._current_level >= 0:
+            ctx.save_for_forward(*_constants(inputs[2:7]))
+            ctx.like = _zeros_spec(*inputs[:2])
+
+    @staticmethod
+    def jvp(ctx, t_dk, t_dv, *_):
+        t_dk, t_dv = _tangents((t_dk, t_dv), ctx.like)
+        return _apply_kv_backward(t_dk, t_dv, ctx.saved_tensors, ctx.flags)
+
+
+class _CompiledRopeKVBackwardFunction(_RopeKVBackwardBase):
+    """``B`` with autograd while compiling (no ``jvp``)."""
+
+
+def _zeros_spec(*tensors: Tensor) -> tuple:
+    """What ``_tangents`` needs to stand in a zero tangent for each of ``tensors`` (not the
+    tensors themselves, which would be kept alive with the graph)."""
+    return tuple((t.shape, t.dtype, t.device) for t in tensors)
+
+
+def _tangents(tangents: tuple, spec: tuple) -> tuple:
+    """The key/value ops' tangents, zeros where an input has none (the other one has)."""
+    return tuple(
+        torch.zeros(shape, dtype=dtype, device=device) if t is None else _ready(t)
+        for t, (shape, dtype, device) in zip(tangents, spec, strict=True)
+    )
+
+
+def _kv_args(tensors: tuple, flags: tuple) -> tuple:
+    """The implementations' arguments after the two activations (``flags`` without copy_v)."""
+    cos, sin, cu_seqlens, position_ids, searched = tensors
+    return (cos, sin, cu_seqlens, position_ids, *flags, searched)
+
+
+def _apply_kv(kv: Tensor, k_pe: Tensor, tensors: tuple, flags: tuple) -> tuple[Tensor, Tensor]:
+    """``F`` on ``(kv, k_pe)``, recorded by autograd when it needs to be (``_apply_q``).
+    ``flags``: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v."""
+    if needs_autograd(kv, k_pe):
+        function = _CompiledRopeKVFunction if _compiling() else RopeKVFunction
+        if flags[-1] or _fwad._current_level < 0:
+            return function.apply(kv, k_pe, *tensors, *flags)
+        # A view of kv under forward AD: taken here, so that PyTorch derives its tangent from
+        # kv's. Returned by the function, its tangent would be set on kv itself (a zero one
+        # where kv had none), and torch.func would not see kv's at all. Costs a copy of v.
+        k, _ = function.apply(kv, k_pe, *tensors, *flags[:-1], True)
+        return k, kv[..., flags[3] :]
+    *flags, copy_v = flags
+    cos, sin, cu_seqlens, position_ids, searched = tensors
+    k, v = _kv(kv, k_pe, cos, sin, cu_seqlens, position_ids, *flags, copy_v, searched)
+    return k, (v if copy_v else kv[..., flags[3] :])
+
+
+def _apply_kv_backward(
+    dk: Tensor, dv: Tensor, tensors: tuple, flags: tuple
+) -> tuple[Tensor, Tensor]:
+    """``B`` on ``(dk, dv)``, recorded by autograd when it needs to be (``_apply_q``).
+    ``flags``: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out."""
+    if needs_autograd(dk, dv):
+        function = _CompiledRopeKVBackwardFunction if _compiling() else _RopeKVBackwardFunction
+        return function.apply(dk, dv, *tensors, *flags)
+    return _kv_backward(dk, dv, *_kv_args(tensors, flags))
+
+
+def rope_kv_differentiable(
+    kv: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
+    position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int, k_dim: int,
+    interleaved: bool, interleaved_out: bool, copy_v: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The key/value op on checked arguments (``k_pe: [tokens..., R]``) where autograd, forward
+    AD or ``torch.compile`` is involved; compiled without a gradient, the custom op itself."""
+    flags = (layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v)
+    if _compiling():
+        if not (torch.is_grad_enabled() and (kv.requires_grad or k_pe.requires_grad)):
+            k, v = rope_kv_op(kv, k_pe, cos, sin, cu_seqlens, position_ids, *flags, None)
+            return k, (v if copy_v else kv[..., k_dim:])
+        return _CompiledRopeKVFunction.apply(
+            kv, k_pe, cos, sin, cu_seqlens, position_ids, None, *flags
+        )
+    searched = search_for_backward(kv, cu_seqlens, cp_rank, cp_size)
+    return _apply_kv(kv, k_pe, (cos, sin, cu_seqlens, position_ids, searched), flags)
