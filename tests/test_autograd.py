@@ -414,3 +414,16 @@ def run_compiled(op: str, mode: str, device: torch.device, compile_backend: str)
     assert same_bits(x_eager, x_got), "the input after the call"
     if op == "q_inplace" and not needs_grad:
         assert not same_bits(x_got, x0), "the compiled in-place call rotated its input"
+
+
+def test_vmap_on_the_kernels_is_a_clear_error(device):
+    """``torch.func.vmap`` (and ``jacrev``, which vmaps the backward) cannot run the kernels,
+    whose batched tensors have no memory: a ``NotImplementedError`` that says so (before: "Cannot
+    access data pointer of Tensor that doesn't have storage"). The reference backend runs them
+    (``tests/test_plans.py::test_vmap_takes_the_pipeline``)."""
+    cos, sin = qt.random_tables(8, R, torch.float32, device)
+    q = torch.randn(2, 4, 1, 8 + R, device=device)
+    with pytest.raises(NotImplementedError, match=r"cannot run under torch\.func\.vmap"):
+        torch.func.vmap(lambda x: mlarope.apply_rope_q(x, cos, sin, layout="thd"))(q)
+    with pytest.raises(NotImplementedError, match=r"cannot run under torch\.func\.vmap"):
+        torch.func.jacrev(lambda x: mlarope.apply_rope_q(x, cos, sin, layout="thd"))(q[0])

@@ -40,6 +40,17 @@ def _same_table_strides(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     return cos, sin
 
 
+def _check_not_batched(*tensors: Tensor) -> None:
+    """The kernels read memory; ``torch.func.vmap``'s batched tensors have none (the reference
+    backend runs them as PyTorch ops do)."""
+    if any(_functorch.is_batchedtensor(t) for t in tensors):
+        raise NotImplementedError(
+            "mlarope's Triton kernels cannot run under torch.func.vmap (nor jacrev, jacfwd or "
+            "hessian, which vmap): call the op once per sample, or use the PyTorch reference "
+            "backend (mlarope.reference)"
+        )
+
+
 # ----------------------------------------------------------------------------- query op impl
 def rope_q_impl(
     q: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
@@ -55,6 +66,7 @@ def rope_q_impl(
             q, cos, sin, positions, interleaved_in=interleaved_in,
             interleaved_out=interleaved_out, inverse=inverse, transpose=transpose,
         )  # fmt: skip
+    _check_not_batched(q)
     from .kernels.q import rope_q_launch
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -83,6 +95,7 @@ def rope_q_inplace_impl(
         with torch.no_grad():
             q[..., q.shape[-1] - rope_dim :].copy_(rotated[..., q.shape[-1] - rope_dim :])
         return
+    _check_not_batched(q)
     from .kernels.q import rope_q_launch
 
     cos, sin = _same_table_strides(cos, sin)
@@ -107,6 +120,7 @@ def rope_kv_impl(
             interleaved_out=interleaved_out,
         )  # fmt: skip
         return k, (v.clone(memory_format=torch.contiguous_format) if copy_v else kv.new_empty(0))
+    _check_not_batched(kv, k_pe)
     from .kernels.kv import rope_kv_launch
 
     rope_dim = cos.shape[-1]
@@ -137,6 +151,7 @@ def rope_kv_backward_impl(
             dk, dv, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
             interleaved_out=interleaved_out,
         )  # fmt: skip
+    _check_not_batched(dk, dv)
     from .kernels.kv import rope_kv_backward_launch
 
     rope_dim = cos.shape[-1]
