@@ -340,7 +340,7 @@ def test_v3_function_compiles_fullgraph(device, rope_calls):
 
 def test_v3_falls_back_where_mlarope_cannot(device, rope_calls):
     """Inputs mlarope does not take are handed to transformers' function: same result, same
-    autograd (here: a rope width of 16, and tables that require grad)."""
+    autograd (here: a rope width of 16, tables that require grad, tables with a tangent)."""
     name = "apply_rotary_pos_emb"
     mt.apply_mlarope_to_deepseek_v3()
     rope_calls.clear()  # the self-check's calls
@@ -356,6 +356,19 @@ def test_v3_falls_back_where_mlarope_cannot(device, rope_calls):
     out = getattr(hf_v3, name)(q, k, cos, sin)
     (out[0].sum() + out[1].sum()).backward()
     assert cos.grad is not None
+    assert rope_calls == []
+
+    # Tables with a forward-mode tangent: transformers' function differentiates them (mlarope
+    # would raise; before, this raised inside the model).
+    from torch.autograd import forward_ad as fwAD
+
+    q, k, cos = q.detach(), k.detach(), cos.detach()
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(cos, torch.ones_like(cos))
+        ours = [fwAD.unpack_dual(t) for t in getattr(hf_v3, name)(q, k, dual, sin)]
+        theirs = [fwAD.unpack_dual(t) for t in V3_ORIGINAL[name](q, k, dual, sin)]
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.primal, b.primal) and torch.equal(a.tangent, b.tangent)
     assert rope_calls == []
 
 

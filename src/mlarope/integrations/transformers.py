@@ -48,8 +48,9 @@ for V2).
 
 Anything mlarope cannot take is handed to the function that was replaced, unchanged: a rope
 width other than 32, 64 or 128, tables of another shape, tensors on different devices, tables
-that require grad (mlarope does not differentiate tables), other ``unsqueeze_dim`` values or
-unknown extra arguments, empty tensors. Pass ``model=`` to have the rope width checked up front.
+that require grad or carry a forward-mode tangent (mlarope does not differentiate tables),
+other ``unsqueeze_dim`` values or unknown extra arguments, empty tensors. Pass ``model=`` to
+have the rope width checked up front.
 
 Each patch checks itself when applied: the replacement and the function it replaces are run on
 a tiny fp64 CPU probe whose cos/sin halves differ (so a function that reads one half is told
@@ -80,6 +81,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad
 
 import mlarope
 from mlarope._checks import ROPE_DIMS
@@ -179,8 +181,14 @@ def _usable(
         return False
     if any(t.device != q.device for t in tensors):
         return False
-    # mlarope does not differentiate the tables: keep transformers' path when they need a grad.
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tables))
+    # mlarope does not differentiate the tables: keep transformers' path when they need a
+    # gradient or carry a forward-mode tangent.
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tables):
+        return False
+    return not (
+        forward_ad._current_level >= 0
+        and any(forward_ad.unpack_dual(t).tangent is not None for t in tables)
+    )
 
 
 def _rotate(
