@@ -14,6 +14,7 @@ the device, so all of them can be captured in a CUDA graph.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -261,9 +262,12 @@ def search_for_backward(
 # ``_apply_kv``, ``_apply_kv_backward``), which records it again, to any order. Otherwise it
 # calls the implementation directly, as before: no autograd overhead on a plain backward.
 #
-# Dynamo cannot trace an autograd function that defines ``jvp``, nor ``mark_dirty``: while
-# compiling, the functions without ``jvp`` (``_Compiled*``) run, and calls that need no
-# gradient go to the custom ops directly (``rope_q_differentiable``, ``rope_kv_differentiable``).
+# Each op has three autograd functions with the same forward, backward and jvp
+# (``_Functions``): eager (``forward(ctx, ...)``), for torch.func transforms (which need the
+# ``setup_context`` form; PyTorch binds every call of that form to its signature with
+# ``inspect``, tens of microseconds, so eager calls do not use it), and compiled (no ``jvp``,
+# which Dynamo cannot trace). While compiling, calls that need no gradient go to the custom ops
+# directly: Dynamo cannot trace ``mark_dirty`` either.
 
 
 def needs_autograd(*tensors: Tensor) -> bool:
@@ -305,79 +309,118 @@ def _constants(tensors) -> tuple:
     return tuple(plain)
 
 
-class _RopeQBase(torch.autograd.Function):
+@dataclass(frozen=True)
+class _Functions:
+    """One op's autograd functions: the same forward, backward and jvp in three forms."""
+
+    eager: type[torch.autograd.Function]
+    func: type[torch.autograd.Function]  # setup_context form, for torch.func transforms
+    compiled: type[torch.autograd.Function]  # no jvp, for Dynamo
+
+    def pick(self) -> type[torch.autograd.Function]:
+        if _compiling():
+            return self.compiled
+        if torch._C._are_functorch_transforms_active():
+            return self.func
+        return self.eager
+
+
+def _functions(name: str, doc: str, forward, setup_context, backward, jvp) -> _Functions:
+    """Build ``_Functions`` from ``forward(*inputs)``, ``setup_context(ctx, inputs, output)``,
+    ``backward(ctx, *grads)`` and ``jvp(ctx, *tangents)``."""
+
+    def forward_with_ctx(ctx, *inputs):
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    def make(suffix: str, members: dict) -> type[torch.autograd.Function]:
+        members = {"__doc__": doc, "backward": staticmethod(backward), **members}
+        return type(name + suffix, (torch.autograd.Function,), members)
+
+    return _Functions(
+        eager=make("", {"forward": staticmethod(forward_with_ctx), "jvp": staticmethod(jvp)}),
+        func=make(
+            "ForTorchFunc",
+            {
+                "forward": staticmethod(forward),
+                "setup_context": staticmethod(setup_context),
+                "jvp": staticmethod(jvp),
+            },
+        ),
+        compiled=make("Compiled", {"forward": staticmethod(forward_with_ctx)}),
+    )
+
+
+# ------------------------------------------------------------------- query op: R and R^T
+def _q_forward(q, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank, cp_size,
+               interleaved, interleaved_out, inverse, transpose, inplace,
+               inplace_backward):  # fmt: skip
+    args = (
+        cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, interleaved,
+        interleaved_out, inverse, transpose, searched,
+    )  # fmt: skip
+    if inplace:
+        _q_inplace(q, *args)
+        return q
+    return _q(q, *args)
+
+
+def _q_setup_context(ctx, inputs, output):
+    q, *constants = inputs[:6]
+    if inputs[-2]:  # inplace
+        ctx.mark_dirty(q)
+    constants = _constants(constants)
+    ctx.save_for_backward(*constants)
+    if _fwad._current_level >= 0:
+        ctx.save_for_forward(*constants)
+    ctx.flags = tuple(inputs[6:])
+
+
+def _q_backward(ctx, grad):
+    tensors = ctx.saved_tensors
+    layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, transpose = ctx.flags[:7]
+    grad = _ready(grad)
+    # The transpose: read in the output layout, write in the input layout.
+    flags = (layout, cp_rank, cp_size, interleaved_out, interleaved, inverse, not transpose)
+    if ctx.flags[8] and _grad_rotatable_in_place(grad):  # inplace_backward
+        _q_inplace(grad, *_q_args(tensors, flags))
+        return (grad,) + (None,) * 14
+    return (_apply_q(grad, tensors, flags, False),) + (None,) * 14
+
+
+def _q_jvp(ctx, tangent, *_):
+    if tangent is None:  # only the tables could carry one, and the API rejects that
+        return None
+    flags = ctx.flags[:7]
+    if ctx.flags[7]:  # in place: the tangent is rotated in place, as PyTorch requires
+        return _apply_q(tangent, ctx.saved_tensors, flags, True)
+    return _apply_q(_ready(tangent), ctx.saved_tensors, flags, False)
+
+
+_Q = _functions(
+    "RopeQFunction",
     """The query op ``R`` (``transpose=False``) or its transpose ``R^T`` (``transpose=True``,
     read in ``interleaved_out`` and written in ``interleaved``, as the backward calls it).
+    Inputs: ``q, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank, cp_size,
+    interleaved, interleaved_out, inverse, transpose, inplace, inplace_backward``, where
+    ``searched`` is ``search_for_backward``'s result (or None).
 
     The backward is out of place by default, for the in-place op too: the incoming gradient may
     be shared (``a + b`` hands one tensor to both branches; ``z.backward(g)`` hands the caller's
     ``g``), so rotating it in place, as Megatron-Core does, can corrupt another branch's
-    gradient. That costs the nope channels' bytes.
-
-    With ``inplace_backward`` the caller vouches that nothing else holds the gradient (``q``
-    feeds one attention kernel), and an eager backward rotates the gradient's rope channels in
-    place and returns it: ``2 R`` instead of ``2 (N + R)`` elements a row. It falls back to out
-    of place where that is not possible (``_grad_rotatable_in_place``), for double backward and
-    when compiling. See docs/semantics.md."""
-
-    @staticmethod
-    def forward(q, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank, cp_size,
-                interleaved, interleaved_out, inverse, transpose, inplace,
-                inplace_backward):  # fmt: skip
-        args = (
-            cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, interleaved,
-            interleaved_out, inverse, transpose, searched,
-        )  # fmt: skip
-        if inplace:
-            _q_inplace(q, *args)
-            return q
-        return _q(q, *args)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, *constants = inputs[:6]
-        if inputs[-2]:  # inplace
-            ctx.mark_dirty(q)
-        ctx.save_for_backward(*_constants(constants))
-        ctx.flags = tuple(inputs[6:])
-
-    @staticmethod
-    def backward(ctx, grad):
-        tensors = ctx.saved_tensors
-        layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, transpose = ctx.flags[:7]
-        grad = _ready(grad)
-        # The transpose: read in the output layout, write in the input layout.
-        flags = (layout, cp_rank, cp_size, interleaved_out, interleaved, inverse, not transpose)
-        if ctx.flags[8] and _grad_rotatable_in_place(grad):  # inplace_backward
-            _q_inplace(grad, *_q_args(tensors, flags))
-            return (grad,) + (None,) * 14
-        return (_apply_q(grad, tensors, flags, False),) + (None,) * 14
-
-
-class RopeQFunction(_RopeQBase):
-    """The query op with autograd and forward-mode AD (eager; ``torch.func`` transforms too).
-    Inputs: ``q, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank, cp_size,
-    interleaved, interleaved_out, inverse, transpose, inplace, inplace_backward``, where
-    ``searched`` is ``search_for_backward``'s result (or None)."""
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _RopeQBase.setup_context(ctx, inputs, output)
-        if _fwad._current_level >= 0:
-            ctx.save_for_forward(*_constants(inputs[1:6]))
-
-    @staticmethod
-    def jvp(ctx, tangent, *_):
-        if tangent is None:  # only the tables could carry one, and the API rejects that
-            return None
-        flags = ctx.flags[:7]
-        if ctx.flags[7]:  # in place: the tangent is rotated in place, as PyTorch requires
-            return _apply_q(tangent, ctx.saved_tensors, flags, True)
-        return _apply_q(_ready(tangent), ctx.saved_tensors, flags, False)
-
-
-class _CompiledRopeQFunction(_RopeQBase):
-    """The query op with autograd while compiling: no ``jvp``, which Dynamo cannot trace."""
+    gradient. That costs the nope channels' bytes. With ``inplace_backward`` the caller vouches
+    that nothing else holds the gradient (``q`` feeds one attention kernel), and an eager
+    backward rotates the gradient's rope channels in place and returns it: ``2 R`` instead of
+    ``2 (N + R)`` elements a row. It falls back to out of place where that is not possible
+    (``_grad_rotatable_in_place``), for double backward and forward AD, and when compiling.
+    See docs/semantics.md.""",
+    _q_forward,
+    _q_setup_context,
+    _q_backward,
+    _q_jvp,
+)
+RopeQFunction = _Q.eager
 
 
 def _q_args(tensors: tuple, flags: tuple) -> tuple:
@@ -392,8 +435,7 @@ def _apply_q(x: Tensor, tensors: tuple, flags: tuple, inplace: bool) -> Tensor:
     """The query op on ``x`` (a gradient or a tangent), recorded by autograd when it needs to
     be (double backward, forward AD, torch.func), else the implementation itself."""
     if needs_autograd(x):
-        function = _CompiledRopeQFunction if _compiling() else RopeQFunction
-        return function.apply(x, *tensors, *flags, inplace, False)
+        return _Q.pick().apply(x, *tensors, *flags, inplace, False)
     if inplace:
         _q_inplace(x, *_q_args(tensors, flags))
         return x
@@ -423,10 +465,10 @@ def rope_q_differentiable(
                 return q
             return rope_q_op(q, *tensors, *flags, None)
         if inplace:
-            return q.copy_(_CompiledRopeQFunction.apply(q, *tensors, None, *flags, False, False))
-        return _CompiledRopeQFunction.apply(q, *tensors, None, *flags, False, inplace_backward)
+            return q.copy_(_Q.compiled.apply(q, *tensors, None, *flags, False, False))
+        return _Q.compiled.apply(q, *tensors, None, *flags, False, inplace_backward)
     searched = search_for_backward(q, cu_seqlens, cp_rank, cp_size)
-    return RopeQFunction.apply(q, *tensors, searched, *flags, inplace, inplace_backward)
+    return _Q.pick().apply(q, *tensors, searched, *flags, inplace, inplace_backward)
 
 
 def _grad_rotatable_in_place(grad: Tensor) -> bool:
@@ -448,96 +490,78 @@ def _grad_rotatable_in_place(grad: Tensor) -> bool:
     return True
 
 
-class _RopeKVBase(torch.autograd.Function):
-    """The key/value op ``F``; its backward ``B`` (``_RopeKVBackwardBase``) produces ``dkv``
-    and ``dk_pe`` in one launch."""
-
-    @staticmethod
-    def forward(kv, k_pe, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank,
+# ------------------------------------------------------------------- key/value op: F and B
+def _kv_forward(kv, k_pe, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank,
                 cp_size, k_dim, interleaved, interleaved_out, copy_v):  # fmt: skip
-        k, v = _kv(
-            kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
-            interleaved, interleaved_out, copy_v, searched,
-        )  # fmt: skip
-        return k, (v if copy_v else kv[..., k_dim:])
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*_constants(inputs[2:7]))
-        # layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v
-        ctx.flags = tuple(inputs[7:])
-
-    @staticmethod
-    def backward(ctx, dk, dv):
-        dkv, dk_pe = _apply_kv_backward(_ready(dk), _ready(dv), ctx.saved_tensors, ctx.flags[:6])
-        return (dkv, dk_pe) + (None,) * 12
+    k, v = _kv(
+        kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
+        interleaved, interleaved_out, copy_v, searched,
+    )  # fmt: skip
+    return k, (v if copy_v else kv[..., k_dim:])
 
 
-class RopeKVFunction(_RopeKVBase):
-    """The key/value op with autograd and forward-mode AD (eager; ``torch.func`` transforms
-    too). Inputs: ``kv, k_pe [tokens..., R], cos, sin, cu_seqlens, position_ids, searched,
-    layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v``."""
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _RopeKVBase.setup_context(ctx, inputs, output)
-        if _fwad._current_level >= 0:
-            ctx.save_for_forward(*_constants(inputs[2:7]))
-            ctx.like = _zeros_spec(*inputs[:2])
-
-    @staticmethod
-    def jvp(ctx, t_kv, t_k_pe, *_):
-        t_kv, t_k_pe = _tangents((t_kv, t_k_pe), ctx.like)
-        return _apply_kv(t_kv, t_k_pe, ctx.saved_tensors, ctx.flags)
+def _kv_setup_context(ctx, inputs, output):
+    """For ``F`` and ``B`` alike: two activations, five constants, then the flags."""
+    constants = _constants(inputs[2:7])
+    ctx.save_for_backward(*constants)
+    if _fwad._current_level >= 0:
+        ctx.save_for_forward(*constants)
+        ctx.like = _zeros_spec(*inputs[:2])
+    # F: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v; B: without copy_v
+    ctx.flags = tuple(inputs[7:])
 
 
-class _CompiledRopeKVFunction(_RopeKVBase):
-    """The key/value op with autograd while compiling (no ``jvp``)."""
+def _kv_backward_of_forward(ctx, dk, dv):
+    dkv, dk_pe = _apply_kv_backward(_ready(dk), _ready(dv), ctx.saved_tensors, ctx.flags[:6])
+    return (dkv, dk_pe) + (None,) * 12
 
 
-class _RopeKVBackwardBase(torch.autograd.Function):
+def _kv_jvp(ctx, t_kv, t_k_pe, *_):
+    t_kv, t_k_pe = _tangents((t_kv, t_k_pe), ctx.like)
+    return _apply_kv(t_kv, t_k_pe, ctx.saved_tensors, ctx.flags)
+
+
+_KV = _functions(
+    "RopeKVFunction",
+    """The key/value op ``F``. Inputs: ``kv, k_pe [tokens..., R], cos, sin, cu_seqlens,
+    position_ids, searched, layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out,
+    copy_v``. Its backward ``B`` (``_KV_BACKWARD``) produces ``dkv`` and ``dk_pe`` in one
+    launch.""",
+    _kv_forward,
+    _kv_setup_context,
+    _kv_backward_of_forward,
+    _kv_jvp,
+)
+RopeKVFunction = _KV.eager
+
+
+def _b_forward(dk, dv, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank, cp_size,
+               k_dim, interleaved, interleaved_out):  # fmt: skip
+    return _kv_backward(
+        dk, dv, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
+        interleaved, interleaved_out, searched,
+    )  # fmt: skip
+
+
+def _b_backward(ctx, g_dkv, g_dk_pe):
+    g_dk, g_dv = _apply_kv(_ready(g_dkv), _ready(g_dk_pe), ctx.saved_tensors, (*ctx.flags, False))
+    return (g_dk, g_dv) + (None,) * 11
+
+
+def _b_jvp(ctx, t_dk, t_dv, *_):
+    t_dk, t_dv = _tangents((t_dk, t_dv), ctx.like)
+    return _apply_kv_backward(t_dk, t_dv, ctx.saved_tensors, ctx.flags)
+
+
+_KV_BACKWARD = _functions(
+    "RopeKVBackwardFunction",
     """``B: (dk, dv) -> (dkv, dk_pe)``, the key/value op's backward, as a function of its own so
-    that it can be differentiated: ``B``'s backward is ``F`` on ``(g_dkv, g_dk_pe)``."""
-
-    @staticmethod
-    def forward(dk, dv, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank, cp_size,
-                k_dim, interleaved, interleaved_out):  # fmt: skip
-        return _kv_backward(
-            dk, dv, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
-            interleaved, interleaved_out, searched,
-        )  # fmt: skip
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*_constants(inputs[2:7]))
-        ctx.flags = tuple(inputs[7:])  # layout, cp_rank, cp_size, k_dim, interleaved, il_out
-
-    @staticmethod
-    def backward(ctx, g_dkv, g_dk_pe):
-        g_dk, g_dv = _apply_kv(
-            _ready(g_dkv), _ready(g_dk_pe), ctx.saved_tensors, (*ctx.flags, False)
-        )
-        return (g_dk, g_dv) + (None,) * 11
-
-
-class _RopeKVBackwardFunction(_RopeKVBackwardBase):
-    """``B`` with autograd and forward-mode AD (eager)."""
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _RopeKVBackwardBase.setup_context(ctx, inputs, output)
-        if _fwad._current_level >= 0:
-            ctx.save_for_forward(*_constants(inputs[2:7]))
-            ctx.like = _zeros_spec(*inputs[:2])
-
-    @staticmethod
-    def jvp(ctx, t_dk, t_dv, *_):
-        t_dk, t_dv = _tangents((t_dk, t_dv), ctx.like)
-        return _apply_kv_backward(t_dk, t_dv, ctx.saved_tensors, ctx.flags)
-
-
-class _CompiledRopeKVBackwardFunction(_RopeKVBackwardBase):
-    """``B`` with autograd while compiling (no ``jvp``)."""
+    that it can be differentiated: ``B``'s backward is ``F`` on ``(g_dkv, g_dk_pe)``.""",
+    _b_forward,
+    _kv_setup_context,
+    _b_backward,
+    _b_jvp,
+)
 
 
 def _zeros_spec(*tensors: Tensor) -> tuple:
@@ -564,7 +588,7 @@ def _apply_kv(kv: Tensor, k_pe: Tensor, tensors: tuple, flags: tuple) -> tuple[T
     """``F`` on ``(kv, k_pe)``, recorded by autograd when it needs to be (``_apply_q``).
     ``flags``: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v."""
     if needs_autograd(kv, k_pe):
-        function = _CompiledRopeKVFunction if _compiling() else RopeKVFunction
+        function = _KV.pick()
         if flags[-1] or _fwad._current_level < 0:
             return function.apply(kv, k_pe, *tensors, *flags)
         # A view of kv under forward AD: taken here, so that PyTorch derives its tangent from
@@ -584,8 +608,7 @@ def _apply_kv_backward(
     """``B`` on ``(dk, dv)``, recorded by autograd when it needs to be (``_apply_q``).
     ``flags``: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out."""
     if needs_autograd(dk, dv):
-        function = _CompiledRopeKVBackwardFunction if _compiling() else _RopeKVBackwardFunction
-        return function.apply(dk, dv, *tensors, *flags)
+        return _KV_BACKWARD.pick().apply(dk, dv, *tensors, *flags)
     return _kv_backward(dk, dv, *_kv_args(tensors, flags))
 
 
@@ -601,8 +624,6 @@ def rope_kv_differentiable(
         if not (torch.is_grad_enabled() and (kv.requires_grad or k_pe.requires_grad)):
             k, v = rope_kv_op(kv, k_pe, cos, sin, cu_seqlens, position_ids, *flags, None)
             return k, (v if copy_v else kv[..., k_dim:])
-        return _CompiledRopeKVFunction.apply(
-            kv, k_pe, cos, sin, cu_seqlens, position_ids, None, *flags
-        )
+        return _KV.compiled.apply(kv, k_pe, cos, sin, cu_seqlens, position_ids, None, *flags)
     searched = search_for_backward(kv, cu_seqlens, cp_rank, cp_size)
     return _apply_kv(kv, k_pe, (cos, sin, cu_seqlens, position_ids, searched), flags)
