@@ -126,14 +126,17 @@ def rope_kv_backward_impl(
     dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
     position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int, k_dim: int,
     interleaved_in: bool, interleaved_out: bool, searched: Tensor | None = None,
+    megatron_rounding: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``dk: [tokens..., H, K + R]``, ``dv: [tokens..., H, V]`` -> ``dkv: [tokens..., H, K + V]``,
-    ``dk_pe: [tokens..., R]`` (one launch on the Triton backend, given ``searched``)."""
+    ``dk_pe: [tokens..., R]`` (one launch on the Triton backend, given ``searched``).
+    ``megatron_rounding``: ``dk_pe`` rounded as Megatron-Core rounds it (compat only;
+    ``reference.rope_kv_backward``)."""
     positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size, searched)
     if not use_triton(dk):
         return reference.rope_kv_backward(
             dk, dv, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
-            interleaved_out=interleaved_out,
+            interleaved_out=interleaved_out, megatron_rounding=megatron_rounding,
         )  # fmt: skip
     from .kernels.kv import rope_kv_backward_launch
 
@@ -143,7 +146,7 @@ def rope_kv_backward_impl(
     cos, sin = _same_table_strides(cos, sin)
     rope_kv_backward_launch(
         dk, dv, dkv, dk_pe, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
-        interleaved_out=interleaved_out,
+        interleaved_out=interleaved_out, megatron_rounding=megatron_rounding,
     )  # fmt: skip
     return dkv, dk_pe
 
@@ -291,11 +294,13 @@ def _grad_rotatable_in_place(grad: Tensor) -> bool:
 
 
 class RopeKVFunction(torch.autograd.Function):
-    """Key/value op with autograd; the backward produces ``dkv`` and ``dk_pe`` in one launch."""
+    """Key/value op with autograd; the backward produces ``dkv`` and ``dk_pe`` in one launch.
+    The trailing ``megatron_rounding`` (``mlarope.compat.megatron`` only; the public API is
+    always exact) rounds ``dk_pe`` where Megatron-Core does."""
 
     @staticmethod
     def forward(ctx, kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size,
-                k_dim, interleaved, interleaved_out, copy_v):  # fmt: skip
+                k_dim, interleaved, interleaved_out, copy_v, megatron_rounding=False):  # fmt: skip
         searched = search_for_backward(kv, cu_seqlens, cp_rank, cp_size)
         k, v = _kv(
             kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
@@ -306,6 +311,7 @@ class RopeKVFunction(torch.autograd.Function):
         ctx.save_for_backward(cos, sin, cu_seqlens, position_ids, searched)
         ctx.flags = (layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out)
         ctx.k_pe_shape = k_pe.shape
+        ctx.megatron_rounding = megatron_rounding
         return k, v
 
     @staticmethod
@@ -319,6 +325,6 @@ class RopeKVFunction(torch.autograd.Function):
             dv = dv.contiguous()
         dkv, dk_pe = _kv_backward(
             dk, dv, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
-            interleaved, interleaved_out, searched,
+            interleaved, interleaved_out, searched, ctx.megatron_rounding,
         )  # fmt: skip
-        return (dkv, dk_pe.view(ctx.k_pe_shape)) + (None,) * 11
+        return (dkv, dk_pe.view(ctx.k_pe_shape)) + (None,) * 12
