@@ -31,6 +31,7 @@ import mlarope
 from mlarope import reference
 from mlarope._checks import Positions
 from mlarope.compat import megatron as mm
+from mlarope.ops import rope_kv_backward_impl
 
 H, N, R = 3, 4, 32  # heads, nope channels, rope channels (mlarope: R in 32, 64, 128)
 K, V = 4, 6  # key-nope and value widths
@@ -485,6 +486,33 @@ def test_reference_backend_rounds_as_megatron(ril, layout, dtype):
     assert reference.megatron_product_dtype(dtype, dtype) == dtype
     assert reference.megatron_product_dtype(dtype, torch.float32) is None
     assert reference.megatron_product_dtype(torch.bfloat16, torch.float16) is None
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=str
+)
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+@pytest.mark.parametrize("ril", [False, True])
+def test_kernel_rounds_as_the_reference(ril, layout, dtype, device):
+    """The key/value backward kernel with Megatron's rounding equals the PyTorch reference's
+    bit for bit (``ops.rope_kv_backward_impl``, the flag both backends share). fp16 on every lane
+    (Triton's interpreter rounds fp32 -> fp16 to nearest even); bf16 on the GPU (the interpreter
+    truncates fp32 -> bf16: the CPU lane checks the kernel against a truncating emulation in
+    test_kv_matches_megatron instead)."""
+    cos, sin = make_tables(dtype, device, seed=41)
+    tokens = tokens_shape(layout, 2)
+    dk = quantized(*tokens, H, K + R, dtype=dtype, seed=42, device=device)
+    dv = randn(*tokens, H, V, dtype=dtype, seed=43, device=device)
+    cu = cu_arg(layout, device)
+    cp_rank, cp_size = (0, 1) if layout == "sbhd" else (1, 2)
+    args = (cu, None, layout, cp_rank, cp_size, K, True, ril, None, True)
+    dkv, dkpe = rope_kv_backward_impl(dk, dv, cos.view(P, R), sin.view(P, R), *args)
+    tables = (cos.view(P, R).cpu(), sin.view(P, R).cpu())
+    kw = dict(k_dim=K, interleaved_in=True, interleaved_out=ril, megatron_rounding=True)
+    positions = Positions(layout, None if cu is None else cu.cpu(), None, cp_rank, cp_size)
+    want_dkv, want = reference.rope_kv_backward(dk.cpu(), dv.cpu(), *tables, positions, **kw)
+    assert torch.equal(dkv.cpu(), want_dkv)
+    assert torch.equal(dkpe.cpu().view(torch.int16), want.view(torch.int16))
 
 
 def transpose_rows(total, pos, cos, sin):

@@ -327,6 +327,10 @@ def megatron_core():
         store = torch.distributed.HashStore()
         torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(123)  # Megatron's modules may fork its CUDA RNG tracker
     yield
     parallel_state.destroy_model_parallel()
     if created:
