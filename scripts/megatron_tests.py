@@ -151,17 +151,6 @@ def pytest_run(workspace: Path, megatron: Path, impl: str, index: int, timeout: 
     }
 
 
-def whole_file(workspace: Path, megatron: Path, processes: int, parallel: int, timeout: float):
-    """Run 0 of each implementation first, alone (it compiles the kernels into Triton's cache),
-    then the rest ``parallel`` at a time."""
-    runs = [pytest_run(workspace, megatron, impl, 0, timeout) for impl in IMPLS]
-    jobs = [(impl, i) for i in range(1, processes) for impl in IMPLS]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-        futures = [pool.submit(pytest_run, workspace, megatron, i, n, timeout) for i, n in jobs]
-        runs += [f.result() for f in futures]
-    return runs
-
-
 def tally(runs: list[dict]) -> dict[str, dict[str, dict]]:
     """``{test id: {impl: {"passed": n, "failed": n, "skipped": n, "messages": [...]}}}``."""
     table: dict[str, dict[str, dict]] = {}
@@ -520,6 +509,11 @@ def markdown(summary: dict) -> str:
     lines += [
         f"## Every test, {procs} separate processes per implementation (passed / ran)",
         "",
+        *(
+            [f"{summary['not_run']} processes not run (out of the step's time budget).", ""]
+            if summary["not_run"]
+            else []
+        ),
         "| test | Megatron-Core's kernel | mlarope.compat.megatron | why it fails |",
         "|---|---|---|---|",
     ]
@@ -677,6 +671,13 @@ def main() -> int:
         "file's CUDA tests skip themselves)",
     )
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per child process")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=480.0,
+        help="seconds for the whole step: pytest processes not started 60 s before it are "
+        "reported as not run, and the summary is written in time (default 480)",
+    )
     p.add_argument("--worker", choices=("repeat", "fp64"), help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -697,44 +698,71 @@ def main() -> int:
     start = time.perf_counter()
     print(f"scratch folder {workspace}; device {device}", flush=True)
 
-    runs = whole_file(workspace, megatron, args.processes, args.parallel, args.timeout)
-    per_test = tally(runs)
-    print(f"1. whole file: {len(runs)} processes, {time.perf_counter() - start:.0f} s", flush=True)
+    deadline = start + args.budget
+    cuda = device == "cuda"
 
-    repeat: dict = {}
-    fp64: dict = {"error": "needs CUDA (the test bodies allocate on cuda)"}
-    if device == "cuda":
-        extra = ["--thd-repeats", str(args.thd_repeats), "--sbhd-repeats", str(args.sbhd_repeats)]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-            futures = {
+    def remaining() -> float:
+        return max(30.0, deadline - time.perf_counter())
+
+    # Run 0 of each implementation first, alone: it compiles the kernels into Triton's cache.
+    runs = [pytest_run(workspace, megatron, impl, 0, args.timeout) for impl in IMPLS]
+    print(f"1. first processes: {time.perf_counter() - start:.0f} s", flush=True)
+
+    def later_run(impl: str, index: int) -> dict | None:
+        if time.perf_counter() > deadline - 60:  # out of budget: report it as not run
+            return None
+        return pytest_run(workspace, megatron, impl, index, min(args.timeout, remaining()))
+
+    # Then everything else at once: the other processes ``parallel`` at a time, beside the
+    # layer test and (on a GPU) the repeat and fp64 workers, each a process of its own.
+    extras = 4 if cuda else 1
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel + extras) as pool:
+        layer_future = pool.submit(layer_test, workspace, megatron, device, remaining())
+        if cuda:
+            counts = [
+                "--thd-repeats",
+                str(args.thd_repeats),
+                "--sbhd-repeats",
+                str(args.sbhd_repeats),
+            ]
+            trials = [
+                "--fp64-sbhd-trials",
+                str(args.fp64_sbhd_trials),
+                "--fp64-thd-trials",
+                str(args.fp64_thd_trials),
+            ]
+            repeat_futures = {
                 impl: pool.submit(
-                    run_worker, workspace, megatron, "repeat", extra, 4 * args.timeout, impl
+                    run_worker, workspace, megatron, "repeat", counts, remaining(), impl
                 )
                 for impl in IMPLS
             }
-            fp64_future = pool.submit(
-                run_worker,
-                workspace,
-                megatron,
-                "fp64",
-                [
-                    "--fp64-sbhd-trials",
-                    str(args.fp64_sbhd_trials),
-                    "--fp64-thd-trials",
-                    str(args.fp64_thd_trials),
-                ],
-                2 * args.timeout,
-            )
-            repeat = {impl: f.result() for impl, f in futures.items()}
+            fp64_future = pool.submit(run_worker, workspace, megatron, "fp64", trials, remaining())
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as runners:
+            jobs = [(impl, i) for i in range(1, args.processes) for impl in IMPLS]
+            futures = [runners.submit(later_run, impl, i) for impl, i in jobs]
+            later = [f.result() for f in futures]
+        runs += [r for r in later if r is not None]
+        not_run = sum(r is None for r in later)
+        print(
+            f"   whole file: {len(runs)} processes ({not_run} not run, out of budget), "
+            f"{time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+        if cuda:
+            repeat = {impl: f.result() for impl, f in repeat_futures.items()}
             fp64 = fp64_future.result()
-    else:
-        repeat = {
-            impl: {"error": "needs CUDA (the test bodies allocate on cuda)"} for impl in IMPLS
-        }
-    print(f"2-3. repeats and fp64: {time.perf_counter() - start:.0f} s", flush=True)
-
-    layer = layer_test(workspace, megatron, device, args.timeout)
-    print(f"4. layer test: rc {layer['rc']}, {time.perf_counter() - start:.0f} s", flush=True)
+        else:
+            repeat = {
+                impl: {"error": "needs CUDA (the test bodies allocate on cuda)"} for impl in IMPLS
+            }
+            fp64 = {"error": "needs CUDA (the test bodies allocate on cuda)"}
+        layer = layer_future.result()
+    per_test = tally(runs)
+    print(
+        f"2-4. repeats, fp64, layer test (rc {layer['rc']}): {time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
 
     text, ok = verdict(per_test, repeat, fp64, layer)
     commit = "unknown commit"
@@ -754,6 +782,7 @@ def main() -> int:
         "megatron_commit": commit,
         "command": " ".join(sys.argv),
         "processes": args.processes,
+        "not_run": not_run,
         "seconds": time.perf_counter() - start,
         "per_test": per_test,
         "runs": runs,
