@@ -642,6 +642,29 @@ def test_inplace_on_grad_leaf_inference_paths(device):
         mlarope.apply_rope_q(leaf, cos, sin, inplace=True)
 
 
+def test_inplace_on_grad_leaf_compiled(device):
+    """Under ``torch.compile(fullgraph=True)`` the leaf case gives the eager values (written
+    into the leaf, its version moved) and the eager gradient; the returned tensor has its own
+    storage there (Dynamo cannot keep the alias's autograd edge)."""
+    cos, sin = make_tables(torch.float32, device, seed=44)
+    x0 = randn(S, B, H, N + R, dtype=torch.float32, seed=45, device=device)
+    g = randn(S, B, H, N + R, dtype=torch.float32, seed=46, device=device)
+
+    def rotate(t):
+        return mm.fused_mla_rope_inplace(t, cos, sin, N, R, inverse=True)
+
+    results = []
+    for fn in (rotate, torch.compile(rotate, fullgraph=True)):
+        leaf = x0.clone().requires_grad_()
+        version = leaf._version
+        out = fn(leaf)
+        out.backward(g)
+        assert leaf._version > version
+        results.append((leaf.detach(), out.detach(), leaf.grad))
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
+
+
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 def test_out_of_place_equals_in_place_bitwise(layout, device):
     """Megatron's test_out_of_place_inverse_rope_preserves_upstream_saved_output compares the

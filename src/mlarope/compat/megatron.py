@@ -43,7 +43,8 @@ Where Megatron's tests and models depend on it, this module behaves as Megatron-
   pass it, is rotated in place and the returned tensor, on the leaf's storage, carries the
   rotation's backward, so the leaf's ``.grad`` is the rotated-back gradient. The leaf's version
   counter is bumped, so another op that saved the leaf still raises at backward time. (The
-  native :func:`mlarope.apply_rope_q` keeps autograd's rule and refuses a leaf.)
+  native :func:`mlarope.apply_rope_q` keeps autograd's rule and refuses a leaf. Under
+  ``torch.compile`` the returned tensor has its own storage; values and gradient are the same.)
 - **The** ``k_pos_emb`` **gradient** is rounded where Megatron-Core's kernel and its unfused
   PyTorch path round it (``rounding="megatron"``, the default of the key/value functions): the
   fp32 head sum to the activation dtype, then each product and the sum of the rotation to it
@@ -283,9 +284,17 @@ def _autograd_refuses_in_place(t: torch.Tensor) -> bool:
 def _rope_q(
     fn: str, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool, kwargs: dict
 ) -> torch.Tensor:
-    if inplace and _autograd_refuses_in_place(t):
-        t = _LeafAlias.apply(t)
     with _from(fn, "apply_rope_q", "its q is t, its cu_seqlens is cu_seqlens_q"):
+        if inplace and _autograd_refuses_in_place(t):
+            if torch.compiler.is_compiling():
+                # Dynamo loses the alias's autograd edge: rotate out of place, write the values
+                # back into the leaf outside autograd (its version counter moves), and return
+                # the rotated tensor (same values and gradient; its own storage).
+                out = mlarope.apply_rope_q(t, cos, sin, inplace=False, **kwargs)
+                with torch.no_grad():
+                    t.copy_(out)
+                return out
+            t = _LeafAlias.apply(t)
         return mlarope.apply_rope_q(t, cos, sin, inplace=inplace, **kwargs)
 
 
