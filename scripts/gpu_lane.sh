@@ -3,12 +3,13 @@
 # with its racy control, the benchmark, the 2-GPU NCCL context-parallel test).
 #
 #   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
-#                                    [sweep] [sweep_base] [host] [decode]
+#                                    [sweep] [sweep_base] [host] [decode] [megatron_tests]
 #   (default: the first six, in that order; sweep = python -m mlarope.sweep, the launch-config
 #   sweep; sweep_base = its heuristic rows for a package copy in .ab/base, an A/B baseline:
 #   copy src/mlarope there, with the current sweep.py, and carry .ab; host = the host-overhead
 #   profile of one decode call, scripts/host_profile.py; decode = the benchmark's decode cases,
-#   ours only)
+#   ours only; megatron_tests = Megatron-LM's own MLA RoPE tests against mlarope and Megatron,
+#   scripts/megatron_tests.py, with a Megatron-LM checkout in $MEGATRON_LM or .megatron-lm)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -76,6 +77,15 @@ for step in "${steps[@]}"; do
         2>&1 | grep -E "host <=|floor|targets" ;;
     host)
       python3 scripts/host_profile.py >"$OUT/host.txt" 2>&1; head -20 "$OUT/host.txt" ;;
+    megatron_tests)
+      # Megatron-LM's own MLA RoPE test file against mlarope.compat.megatron and against
+      # Megatron's kernels (20 processes each, the test bodies repeated, the k_pos_emb gradient
+      # against fp64), and the Megatron-Core layer test: docs/megatron.md. MEGATRON_LM: a
+      # Megatron-LM checkout (default .megatron-lm, an ignored folder carried to the GPU);
+      # MEGATRON_ARGS: more arguments, e.g. "--processes 10".
+      # shellcheck disable=SC2086
+      timeout "${MEGATRON_SECONDS:-560}" python3 scripts/megatron_tests.py \
+        --megatron "${MEGATRON_LM:-.megatron-lm}" --out "$OUT" ${MEGATRON_ARGS:-} 2>&1 | tail -90 ;;
     compile_debug)
       # Inductor's generated code for the torch.compile tests of the query op (how the CUDA-only
       # compiled-gradient bug was found and its fix checked; docs/gpu_lane.md).

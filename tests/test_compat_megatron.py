@@ -28,7 +28,10 @@ import pytest
 import torch
 
 import mlarope
+from mlarope import reference
+from mlarope._checks import Positions
 from mlarope.compat import megatron as mm
+from mlarope.ops import rope_kv_backward_impl
 
 H, N, R = 3, 4, 32  # heads, nope channels, rope channels (mlarope: R in 32, 64, 128)
 K, V = 4, 6  # key-nope and value widths
@@ -110,6 +113,51 @@ def ref_q(x, pos, cos, sin, inverse=False, pairs_out=False, absolute=False):
     rows = x.reshape(-1, H, N + R)
     rope = rotate_rows(rows[..., N:], pos, cos, sin, inverse, pairs_out, absolute)
     return torch.cat((rows[..., :N], rope), -1).reshape(shape)
+
+
+def megatron_kpe_grad(gk_rope, pos, cos, sin, pairs_out, rnd, round_products):
+    """Megatron-Core's ``k_pos_emb`` gradient, rounded where its kernel and its unfused PyTorch
+    path (autograd through ``_apply_rotary_pos_emb_bshd`` and ``expand``) round.
+
+    ``gk_rope: [M, H, R]`` fp32, the key's rope-channel gradient in the key's layout (pairs when
+    ``pairs_out``, else halves); ``cos, sin: [P, R]`` fp32 holding the tables' values. The sum
+    over heads (exact in fp32 for the tests' quantized gradients) is rounded with ``rnd`` to
+    the activation dtype; with ``round_products`` (tables in that dtype) each product and each
+    sum of the transpose rotation is rounded too, as PyTorch's arithmetic in that dtype does
+    (an exact fp32 product or sum, then one rounding). Padding rows (``pos`` None) pass
+    through. Returns ``[M, R]`` fp32 in ``k_pos_emb``'s interleaved layout.
+    """
+    half = gk_rope.shape[-1] // 2
+    total = rnd(gk_rope.sum(1))
+    ga, gb = (total[:, 0::2], total[:, 1::2]) if pairs_out else (total[:, :half], total[:, half:])
+    pr = rnd if round_products else (lambda x: x)
+    rows = []
+    for m, p in enumerate(pos):
+        if p is None:
+            da, db = ga[m], gb[m]
+        else:
+            c1, c2, s1, s2 = cos[p, :half], cos[p, half:], sin[p, :half], sin[p, half:]
+            da = rnd(pr(ga[m] * c1) + pr(gb[m] * s2))
+            db = rnd(pr(gb[m] * c2) - pr(ga[m] * s1))
+        rows.append(torch.stack((da, db), -1).flatten())
+    return torch.stack(rows)
+
+
+def rounder(dtype: torch.dtype, device) -> object:
+    """Rounding of fp32 values to ``dtype`` as the backend under test does it: to nearest even,
+    except Triton's interpreter (the CPU lane), which truncates fp32 -> bf16."""
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        return lambda x: (x.float().view(torch.int32) & -65536).view(torch.float32)
+    return lambda x: x.to(dtype).float()
+
+
+def quantized(*shape: int, dtype: torch.dtype, seed: int, device="cpu") -> torch.Tensor:
+    """Gradients that are multiples of 2^-6 below 4 in magnitude: exact in bf16 and fp16, and
+    their sums over a few heads exact in fp32 in any order (so a bitwise comparison with
+    :func:`megatron_kpe_grad` does not depend on the order of the head sum)."""
+    x = randn(*shape, dtype=torch.float32, seed=seed)
+    x = (x * 64).round().clamp(-255, 255) / 64
+    return x.to(dtype).to(device)
 
 
 def ref_kv(kv, kpe, pos, cos, sin, pairs_out=False, absolute=False):
@@ -351,7 +399,7 @@ def test_kv_matches_megatron(variant, case, dtype, device):
     tokens = tokens_shape(layout, cp_size)
     kv = randn(*tokens, H, K + V, dtype=dtype, seed=9, device=device).requires_grad_()
     kpe = randn(*tokens, 1, R, dtype=dtype, seed=10, device=device).requires_grad_()
-    gk = randn(*tokens, H, K + R, dtype=dtype, seed=11, device=device)
+    gk = quantized(*tokens, H, K + R, dtype=dtype, seed=11, device=device)
     gv = randn(*tokens, H, V, dtype=dtype, seed=12, device=device)
     pos = megatron_positions(layout, cp_size, cp_rank)
     c64, s64 = tables64(cos, sin)
@@ -382,7 +430,134 @@ def test_kv_matches_megatron(variant, case, dtype, device):
 
     torch.autograd.backward((key, value), (gk, gv))
     assert torch.equal(f64(kv.grad), dkv64)  # dkv: plain copies of dk's nope part and dv
-    assert_within(kpe.grad, dkpe64, mag_dkpe, dtype, H + 4, "grad k_pos_emb")
+    if dtype == torch.float32:  # fp32 tables and activations: Megatron's rounding is fp32's
+        assert_within(kpe.grad, dkpe64, mag_dkpe, dtype, H + 4, "grad k_pos_emb")
+    else:  # the default rounding="megatron": bit for bit as Megatron's unfused path
+        rope_grad = gk.detach().float().cpu().reshape(-1, H, K + R)[..., K:]
+        want = megatron_kpe_grad(rope_grad, pos, *tables64(cos, sin), ril, rounder(dtype, device),
+                                 True)  # fmt: skip
+        assert torch.equal(kpe.grad.float().cpu().reshape(-1, R), want)
+
+
+def _kv_grads(name, dtype, table_dtype, layout, rounding, device):
+    """k_pos_emb's gradient through ``name`` (thd: cp 2, rank 1) and what it needs to check it."""
+    cos, sin = make_tables(table_dtype, device, seed=33)
+    tokens = tokens_shape(layout, 2)
+    kv = randn(*tokens, H, K + V, dtype=dtype, seed=34, device=device).requires_grad_()
+    kpe = randn(*tokens, 1, R, dtype=dtype, seed=35, device=device).requires_grad_()
+    gk = quantized(*tokens, H, K + R, dtype=dtype, seed=36, device=device)
+    gv = randn(*tokens, H, V, dtype=dtype, seed=37, device=device)
+    kwargs = {} if rounding is None else {"rounding": rounding}
+    key, value = getattr(mm, name)(
+        kv, kpe, cos, sin, R, K, V, cu_arg(layout, device), 1, 2, **kwargs
+    )
+    torch.autograd.backward((key, value), (gk, gv))
+    pos = megatron_positions(layout, 2, 1)
+    return kpe.grad, gk.detach().float().cpu().reshape(-1, H, K + R)[..., K:], pos, cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+@pytest.mark.parametrize("ril", [False, True])
+def test_reference_backend_rounds_as_megatron(ril, layout, dtype):
+    """The PyTorch backend (CPU tensors without Triton's interpreter) rounds the k_pos_emb
+    gradient to nearest even at Megatron's rounding points, bit for bit; without the flag it
+    is the exact result."""
+    cos, sin = make_tables(dtype, seed=38)
+    tokens = tokens_shape(layout, 2)
+    dk = quantized(*tokens, H, K + R, dtype=dtype, seed=39)
+    dv = randn(*tokens, H, V, dtype=dtype, seed=40)
+    cu = None if layout == "sbhd" else torch.tensor(CU, dtype=torch.int32)
+    cp_rank, cp_size = (0, 1) if layout == "sbhd" else (1, 2)
+    positions = Positions(layout, cu, None, cp_rank, cp_size)
+    tables = (cos.view(P, R), sin.view(P, R))
+    kw = dict(k_dim=K, interleaved_in=True, interleaved_out=ril)
+    grads = [
+        reference.rope_kv_backward(dk, dv, *tables, positions, **kw, megatron_rounding=rounded)
+        for rounded in (True, False)
+    ]
+    pos = megatron_positions(layout, cp_size, cp_rank)
+    rope_grad = dk.float().reshape(-1, H, K + R)[..., K:]
+    rne = rounder(dtype, "cuda")  # to nearest even, as PyTorch rounds on any device
+    want = megatron_kpe_grad(rope_grad, pos, *tables64(cos, sin), ril, rne, True)
+    assert torch.equal(grads[0][1].float().reshape(-1, R), want)
+    assert torch.equal(grads[0][0], grads[1][0])  # dkv untouched by the flag
+    assert not torch.equal(grads[0][1], grads[1][1])
+    assert reference.megatron_product_dtype(dtype, dtype) == dtype
+    assert reference.megatron_product_dtype(dtype, torch.float32) is None
+    assert reference.megatron_product_dtype(torch.bfloat16, torch.float16) is None
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=str
+)
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+@pytest.mark.parametrize("ril", [False, True])
+def test_kernel_rounds_as_the_reference(ril, layout, dtype, device):
+    """The key/value backward kernel with Megatron's rounding equals the PyTorch reference's
+    bit for bit (``ops.rope_kv_backward_impl``, the flag both backends share). fp16 on every lane
+    (Triton's interpreter rounds fp32 -> fp16 to nearest even); bf16 on the GPU (the interpreter
+    truncates fp32 -> bf16: the CPU lane checks the kernel against a truncating emulation in
+    test_kv_matches_megatron instead)."""
+    cos, sin = make_tables(dtype, device, seed=41)
+    tokens = tokens_shape(layout, 2)
+    dk = quantized(*tokens, H, K + R, dtype=dtype, seed=42, device=device)
+    dv = randn(*tokens, H, V, dtype=dtype, seed=43, device=device)
+    cu = cu_arg(layout, device)
+    cp_rank, cp_size = (0, 1) if layout == "sbhd" else (1, 2)
+    args = (cu, None, layout, cp_rank, cp_size, K, True, ril, None, True)
+    dkv, dkpe = rope_kv_backward_impl(dk, dv, cos.view(P, R), sin.view(P, R), *args)
+    tables = (cos.view(P, R).cpu(), sin.view(P, R).cpu())
+    kw = dict(k_dim=K, interleaved_in=True, interleaved_out=ril, megatron_rounding=True)
+    positions = Positions(layout, None if cu is None else cu.cpu(), None, cp_rank, cp_size)
+    want_dkv, want = reference.rope_kv_backward(dk.cpu(), dv.cpu(), *tables, positions, **kw)
+    assert torch.equal(dkv.cpu(), want_dkv)
+    assert torch.equal(dkpe.cpu().view(torch.int16), want.view(torch.int16))
+
+
+def transpose_rows(total, pos, cos, sin):
+    """The exact transpose rotation of ``total: [M, R]`` fp64 (halves, the key's layout) ->
+    ``k_pos_emb``'s gradient ``[M, R]`` (pairs) and its error-model magnitudes ``[M, R]``
+    (``(|g_a| + |g_b|) * max|table|`` per pair); padding rows (``pos`` None) pass through."""
+    half = total.shape[-1] // 2
+    want, mag = [], []
+    for m, p in enumerate(pos):
+        ga, gb = total[m, :half], total[m, half:]
+        if p is None:
+            da, db, bound = ga, gb, torch.zeros_like(ga)
+        else:
+            da = ga * cos[p, :half] + gb * sin[p, half:]
+            db = gb * cos[p, half:] - ga * sin[p, :half]
+            bound = (ga.abs() + gb.abs()) * torch.cat((cos[p], sin[p])).abs().max()
+        want.append(torch.stack((da, db), -1).flatten())
+        mag.append(torch.stack((bound, bound), -1).flatten())
+    return torch.stack(want), torch.stack(mag)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_kv_exact_rounding_switch(layout, dtype, device):
+    """``rounding="exact"``: the k_pos_emb gradient of the fp64 reference, rounded once (as
+    mlarope.apply_rope_kv); the default (Megatron's roundings) differs from it here."""
+    name = "fused_apply_mla_rope_for_kv"
+    exact, gk_rope, pos, cos, sin = _kv_grads(name, dtype, dtype, layout, "exact", device)
+    default = _kv_grads(name, dtype, dtype, layout, None, device)[0]
+    want, mag = transpose_rows(gk_rope.double().sum(1), pos, *tables64(cos, sin))
+    assert_within(exact.reshape(-1, R), want, mag, dtype, H + 4, "exact grad k_pos_emb")
+    assert not torch.equal(exact, default)
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["fused_mla_rope_kv_split", "fused_apply_mla_rope_for_kv"])
+def test_kv_megatron_rounding_with_other_tables(name, table_dtype, device):
+    """bf16 activations with tables of another dtype: Megatron's kernel promotes the products
+    to fp32 (bf16 x fp32, and bf16 x fp16 alike), so only the head sum is rounded to bf16;
+    the rotation is then exact within fp32 arithmetic."""
+    dtype = torch.bfloat16
+    got, gk_rope, pos, cos, sin = _kv_grads(name, dtype, table_dtype, "thd", None, device)
+    total = rounder(dtype, device)(gk_rope.sum(1)).double()
+    want, mag = transpose_rows(total, pos, *tables64(cos, sin))
+    assert_within(got.reshape(-1, R), want, mag, dtype, 4, "grad k_pos_emb")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,15 +565,119 @@ def test_kv_matches_megatron(variant, case, dtype, device):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_inplace_on_grad_leaf_raises_and_no_grad_works(device):
+LEAF_CASES = [("sbhd", 1, 0), ("thd", 2, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", LEAF_CASES, ids=_id)
+@pytest.mark.parametrize("name", ["fused_mla_rope_inplace", "fused_apply_mla_rope_for_q"])
+def test_inplace_on_grad_leaf_as_megatron(name, case, dtype, device):
+    """Megatron's tests pass a leaf that requires grad (``x.detach().requires_grad_(True)``)
+    straight to the in-place function: it is rotated in place, the returned tensor is on its
+    storage, and the leaf's gradient is the rotated-back upstream gradient."""
+    layout, cp_size, cp_rank = case
+    cos, sin = make_tables(dtype, device, seed=23)
+    shape = (*tokens_shape(layout, cp_size), H, N + R)
+    leaf = randn(*shape, dtype=dtype, seed=24, device=device).requires_grad_()
+    g = randn(*shape, dtype=dtype, seed=25, device=device)
+    pos = megatron_positions(layout, cp_size, cp_rank)
+    want, want_grad, mag, mag_grad = q_reference(leaf, g, pos, cos, sin, False, False)
+    before = leaf.detach().clone()
+    version = leaf._version
+
+    out = call_q(name, leaf, cos, sin, cu_arg(layout, device), cp_rank, cp_size, False, False)
+    assert out.data_ptr() == leaf.data_ptr() and out.grad_fn is not None
+    assert leaf._version > version  # other ops that saved the leaf will notice
+    assert torch.equal(leaf.detach(), out.detach())  # the leaf itself holds the rotation
+    assert torch.equal(out.detach()[..., :N], before[..., :N])
+    assert_within(out, want, mag, dtype, 4, "output")
+
+    out.backward(g)
+    assert_within(leaf.grad, want_grad, mag_grad, dtype, 4, "grad t")
+    assert torch.equal(leaf.grad[..., :N], g[..., :N])
+
+
+def test_inplace_on_view_of_grad_leaf(device):
+    """A view of a leaf that requires grad is refused by autograd too; Megatron rotates it."""
+    cos, sin = make_tables(torch.float32, device, seed=26)
+    base = randn(S, B, H, N + R + 3, dtype=torch.float32, seed=27, device=device)
+    base.requires_grad_()
+    t = base[..., 3:]
+    g = randn(S, B, H, N + R, dtype=torch.float32, seed=28, device=device)
+    pos = megatron_positions("sbhd", 1, 0)
+    want, want_grad, mag, mag_grad = q_reference(t.detach(), g, pos, cos, sin, True, True)
+    out = mm.fused_mla_rope_inplace(t, cos, sin, N, R, inverse=True, remove_interleaving=True)
+    assert out.data_ptr() == t.data_ptr()
+    assert torch.equal(base.detach()[..., 3:], out.detach())
+    assert_within(out, want, mag, torch.float32, 4, "output")
+    out.backward(g)
+    assert torch.equal(base.grad[..., :3], torch.zeros_like(base.grad[..., :3]))
+    assert_within(base.grad[..., 3:], want_grad, mag_grad, torch.float32, 4, "grad t")
+
+
+def test_inplace_on_grad_leaf_saved_by_another_op_raises_at_backward(device):
+    """The leaf's version counter moves, so an op that saved it for its backward still raises
+    (Megatron's kernel left it unchanged: that op's gradient was silently wrong)."""
+    cos, sin = make_tables(torch.float32, device, seed=29)
+    leaf = randn(S, B, H, N + R, dtype=torch.float32, seed=30, device=device).requires_grad_()
+    saved = leaf * leaf  # mul saves the leaf for its backward
+    out = mm.fused_mla_rope_inplace(leaf, cos, sin, N, R)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (saved.sum() + out.sum()).backward()
+
+
+def test_inplace_on_grad_leaf_inference_paths(device):
+    """Without autograd (no_grad, or a leaf that does not require grad) the leaf is rotated in
+    place and returned itself; the native API keeps autograd's rule and refuses a leaf that
+    requires grad."""
     cos, sin = make_tables(torch.float32, device)
     leaf = randn(S, B, H, N + R, dtype=torch.float32, seed=13, device=device).requires_grad_()
-    for name in ("fused_mla_rope_inplace", "fused_apply_mla_rope_for_q"):
-        with pytest.raises(ValueError, match="leaf"):
-            getattr(mm, name)(leaf, cos, sin, N, R)
     with torch.no_grad():
         out = mm.fused_mla_rope_inplace(leaf, cos, sin, N, R)
-    assert out.data_ptr() == leaf.data_ptr()
+    assert out is leaf
+    plain = randn(S, B, H, N + R, dtype=torch.float32, seed=13, device=device)
+    assert mm.fused_apply_mla_rope_for_q(plain, cos, sin, N, R) is plain
+    assert torch.equal(plain, leaf.detach())
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        mlarope.apply_rope_q(leaf, cos, sin, inplace=True)
+
+
+def test_inplace_on_grad_leaf_compiled(device):
+    """Under ``torch.compile(fullgraph=True)`` the leaf case gives the eager values (written
+    into the leaf, its version moved) and the eager gradient; the returned tensor has its own
+    storage there (Dynamo cannot keep the alias's autograd edge)."""
+    cos, sin = make_tables(torch.float32, device, seed=44)
+    x0 = randn(S, B, H, N + R, dtype=torch.float32, seed=45, device=device)
+    g = randn(S, B, H, N + R, dtype=torch.float32, seed=46, device=device)
+
+    def rotate(t):
+        return mm.fused_mla_rope_inplace(t, cos, sin, N, R, inverse=True)
+
+    results = []
+    for fn in (rotate, torch.compile(rotate, fullgraph=True)):
+        leaf = x0.clone().requires_grad_()
+        version = leaf._version
+        out = fn(leaf)
+        out.backward(g)
+        assert leaf._version > version
+        results.append((leaf.detach(), out.detach(), leaf.grad))
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_out_of_place_equals_in_place_bitwise(layout, device):
+    """Megatron's test_out_of_place_inverse_rope_preserves_upstream_saved_output compares the
+    two with ``atol=0``: the same bits, and the out-of-place input left as it was."""
+    cos, sin = make_tables(torch.bfloat16, device, seed=31)
+    x = randn(*tokens_shape(layout, 1), H, N + R, dtype=torch.bfloat16, seed=32, device=device)
+    before = x.clone()
+    cu = cu_arg(layout, device)
+    kwargs = dict(cu_seqlens_q=cu, inverse=True, remove_interleaving=True)
+    out = mm.fused_mla_rope_out_of_place(x, cos, sin, N, R, **kwargs)
+    ref = mm.fused_mla_rope_inplace(x.clone(), cos, sin, N, R, **kwargs)
+    assert torch.equal(x, before) and out.data_ptr() != x.data_ptr()
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
 
 
 def test_inplace_on_tensor_saved_for_backward_raises_at_backward(device):
@@ -540,6 +819,8 @@ KV_BAD = [
     (dict(cu_seqlens_kv=CU_T), ValueError, "kv must be"),
     (dict(cp_rank=1), ValueError, "cp_rank"),
     (dict(remove_interleaving=0), TypeError, "remove_interleaving"),
+    (dict(rounding="fast"), ValueError, "rounding"),
+    (dict(rounding=None), TypeError, "rounding"),
     (dict(kv=None), TypeError, "kv"),
 ]  # fmt: skip
 

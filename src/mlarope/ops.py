@@ -143,14 +143,17 @@ def rope_kv_backward_impl(
     dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
     position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int, k_dim: int,
     interleaved_in: bool, interleaved_out: bool, searched: Tensor | None = None,
+    megatron_rounding: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``dk: [tokens..., H, K + R]``, ``dv: [tokens..., H, V]`` -> ``dkv: [tokens..., H, K + V]``,
-    ``dk_pe: [tokens..., R]`` (one launch on the Triton backend, given ``searched``)."""
+    ``dk_pe: [tokens..., R]`` (one launch on the Triton backend, given ``searched``).
+    ``megatron_rounding``: ``dk_pe`` rounded as Megatron-Core rounds it (compat only;
+    ``reference.rope_kv_backward``)."""
     positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size, searched)
     if not use_triton(dk):
         return reference.rope_kv_backward(
             dk, dv, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
-            interleaved_out=interleaved_out,
+            interleaved_out=interleaved_out, megatron_rounding=megatron_rounding,
         )  # fmt: skip
     _check_not_batched(dk, dv)
     from .kernels.kv import rope_kv_backward_launch
@@ -161,7 +164,7 @@ def rope_kv_backward_impl(
     cos, sin = _same_table_strides(cos, sin)
     rope_kv_backward_launch(
         dk, dv, dkv, dk_pe, cos, sin, positions, k_dim=k_dim, interleaved_in=interleaved_in,
-        interleaved_out=interleaved_out,
+        interleaved_out=interleaved_out, megatron_rounding=megatron_rounding,
     )  # fmt: skip
     return dkv, dk_pe
 
@@ -492,7 +495,8 @@ def _grad_rotatable_in_place(grad: Tensor) -> bool:
 
 # ------------------------------------------------------------------- key/value op: F and B
 def _kv_forward(kv, k_pe, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank,
-                cp_size, k_dim, interleaved, interleaved_out, copy_v):  # fmt: skip
+                cp_size, k_dim, interleaved, interleaved_out, copy_v,
+                megatron_rounding):  # fmt: skip
     k, v = _kv(
         kv, k_pe, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
         interleaved, interleaved_out, copy_v, searched,
@@ -507,13 +511,15 @@ def _kv_setup_context(ctx, inputs, output):
     if _fwad._current_level >= 0:
         ctx.save_for_forward(*constants)
         ctx.like = _zeros_spec(*inputs[:2])
-    # F: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v; B: without copy_v
+    # F: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v,
+    # megatron_rounding; B: the same without copy_v
     ctx.flags = tuple(inputs[7:])
 
 
 def _kv_backward_of_forward(ctx, dk, dv):
-    dkv, dk_pe = _apply_kv_backward(_ready(dk), _ready(dv), ctx.saved_tensors, ctx.flags[:6])
-    return (dkv, dk_pe) + (None,) * 12
+    flags = (*ctx.flags[:6], ctx.flags[7])  # B's: without copy_v
+    dkv, dk_pe = _apply_kv_backward(_ready(dk), _ready(dv), ctx.saved_tensors, flags)
+    return (dkv, dk_pe) + (None,) * 13
 
 
 def _kv_jvp(ctx, t_kv, t_k_pe, *_):
@@ -525,8 +531,9 @@ _KV = _functions(
     "RopeKVFunction",
     """The key/value op ``F``. Inputs: ``kv, k_pe [tokens..., R], cos, sin, cu_seqlens,
     position_ids, searched, layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out,
-    copy_v``. Its backward ``B`` (``_KV_BACKWARD``) produces ``dkv`` and ``dk_pe`` in one
-    launch.""",
+    copy_v, megatron_rounding``. Its backward ``B`` (``_KV_BACKWARD``) produces ``dkv`` and
+    ``dk_pe`` in one launch; ``megatron_rounding`` (``mlarope.compat.megatron`` only; the public
+    API is always exact) rounds ``dk_pe`` where Megatron-Core does.""",
     _kv_forward,
     _kv_setup_context,
     _kv_backward_of_forward,
@@ -536,16 +543,17 @@ RopeKVFunction = _KV.eager
 
 
 def _b_forward(dk, dv, cos, sin, cu_seqlens, position_ids, searched, layout, cp_rank, cp_size,
-               k_dim, interleaved, interleaved_out):  # fmt: skip
+               k_dim, interleaved, interleaved_out, megatron_rounding):  # fmt: skip
     return _kv_backward(
         dk, dv, cos, sin, cu_seqlens, position_ids, layout, cp_rank, cp_size, k_dim,
-        interleaved, interleaved_out, searched,
+        interleaved, interleaved_out, searched, megatron_rounding,
     )  # fmt: skip
 
 
 def _b_backward(ctx, g_dkv, g_dk_pe):
-    g_dk, g_dv = _apply_kv(_ready(g_dkv), _ready(g_dk_pe), ctx.saved_tensors, (*ctx.flags, False))
-    return (g_dk, g_dv) + (None,) * 11
+    flags = (*ctx.flags[:6], False, ctx.flags[6])  # F's: copy_v False
+    g_dk, g_dv = _apply_kv(_ready(g_dkv), _ready(g_dk_pe), ctx.saved_tensors, flags)
+    return (g_dk, g_dv) + (None,) * 12
 
 
 def _b_jvp(ctx, t_dk, t_dv, *_):
@@ -579,26 +587,28 @@ def _tangents(tangents: tuple, spec: tuple) -> tuple:
 
 
 def _kv_args(tensors: tuple, flags: tuple) -> tuple:
-    """The implementations' arguments after the two activations (``flags`` without copy_v)."""
+    """``B``'s implementation's arguments after the two activations (``flags``: B's, that is
+    layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, megatron_rounding)."""
     cos, sin, cu_seqlens, position_ids, searched = tensors
-    return (cos, sin, cu_seqlens, position_ids, *flags, searched)
+    return (cos, sin, cu_seqlens, position_ids, *flags[:6], searched, flags[6])
 
 
 def _apply_kv(kv: Tensor, k_pe: Tensor, tensors: tuple, flags: tuple) -> tuple[Tensor, Tensor]:
     """``F`` on ``(kv, k_pe)``, recorded by autograd when it needs to be (``_apply_q``).
-    ``flags``: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v."""
+    ``flags``: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v,
+    megatron_rounding (which only its backward reads)."""
+    copy_v = flags[6]
     if needs_autograd(kv, k_pe):
         function = _KV.pick()
-        if flags[-1] or _fwad._current_level < 0:
+        if copy_v or _fwad._current_level < 0:
             return function.apply(kv, k_pe, *tensors, *flags)
         # A view of kv under forward AD: taken here, so that PyTorch derives its tangent from
         # kv's. Returned by the function, its tangent would be set on kv itself (a zero one
         # where kv had none), and torch.func would not see kv's at all. Costs a copy of v.
-        k, _ = function.apply(kv, k_pe, *tensors, *flags[:-1], True)
+        k, _ = function.apply(kv, k_pe, *tensors, *flags[:6], True, flags[7])
         return k, kv[..., flags[3] :]
-    *flags, copy_v = flags
     cos, sin, cu_seqlens, position_ids, searched = tensors
-    k, v = _kv(kv, k_pe, cos, sin, cu_seqlens, position_ids, *flags, copy_v, searched)
+    k, v = _kv(kv, k_pe, cos, sin, cu_seqlens, position_ids, *flags[:7], searched)
     return k, (v if copy_v else kv[..., flags[3] :])
 
 
@@ -606,7 +616,8 @@ def _apply_kv_backward(
     dk: Tensor, dv: Tensor, tensors: tuple, flags: tuple
 ) -> tuple[Tensor, Tensor]:
     """``B`` on ``(dk, dv)``, recorded by autograd when it needs to be (``_apply_q``).
-    ``flags``: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out."""
+    ``flags``: layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out,
+    megatron_rounding."""
     if needs_autograd(dk, dv):
         return _KV_BACKWARD.pick().apply(dk, dv, *tensors, *flags)
     return _kv_backward(dk, dv, *_kv_args(tensors, flags))
@@ -615,15 +626,20 @@ def _apply_kv_backward(
 def rope_kv_differentiable(
     kv: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor | None,
     position_ids: Tensor | None, layout: str, cp_rank: int, cp_size: int, k_dim: int,
-    interleaved: bool, interleaved_out: bool, copy_v: bool,
+    interleaved: bool, interleaved_out: bool, copy_v: bool, megatron_rounding: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The key/value op on checked arguments (``k_pe: [tokens..., R]``) where autograd, forward
-    AD or ``torch.compile`` is involved; compiled without a gradient, the custom op itself."""
+    AD or ``torch.compile`` is involved; compiled without a gradient, the custom op itself.
+    ``megatron_rounding``: the backward rounds ``dk_pe`` as Megatron-Core does
+    (``mlarope.compat.megatron`` only)."""
     flags = (layout, cp_rank, cp_size, k_dim, interleaved, interleaved_out, copy_v)
     if _compiling():
         if not (torch.is_grad_enabled() and (kv.requires_grad or k_pe.requires_grad)):
             k, v = rope_kv_op(kv, k_pe, cos, sin, cu_seqlens, position_ids, *flags, None)
             return k, (v if copy_v else kv[..., k_dim:])
-        return _KV.compiled.apply(kv, k_pe, cos, sin, cu_seqlens, position_ids, None, *flags)
+        return _KV.compiled.apply(
+            kv, k_pe, cos, sin, cu_seqlens, position_ids, None, *flags, megatron_rounding
+        )
     searched = search_for_backward(kv, cu_seqlens, cp_rank, cp_size)
-    return _apply_kv(kv, k_pe, (cos, sin, cu_seqlens, position_ids, searched), flags)
+    tensors = (cos, sin, cu_seqlens, position_ids, searched)
+    return _apply_kv(kv, k_pe, tensors, (*flags, megatron_rounding))

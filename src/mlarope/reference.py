@@ -43,6 +43,7 @@ def rotate_pairs(
     interleaved_out: bool,
     inverse: bool,
     transpose: bool,
+    round_to: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Rotate ``x: [tokens..., H, R]`` by ``cos, sin: [tokens..., R]`` (compute dtype in and out).
 
@@ -50,7 +51,9 @@ def rotate_pairs(
     ``transpose=True`` is the backward, the exact transpose of that map:
     ``da = g_a*c[j] + g_b*s[half+j]``, ``db = g_b*c[half+j] - g_a*s[j]``.
     ``inverse`` negates ``s``. Padding tokens pass through (re-laid out, not rotated); tokens whose
-    position is outside the table come out as NaN.
+    position is outside the table come out as NaN. ``round_to`` (a 16-bit dtype) rounds each
+    product and the sum to it, as PyTorch's own arithmetic in that dtype does (Megatron-Core's
+    rounding, :func:`rope_kv_backward`); None (default) computes exactly in the compute dtype.
     """
     half = x.shape[-1] // 2
     if interleaved_in:
@@ -63,8 +66,16 @@ def rotate_pairs(
     s_a, s_b = (-s[..., half:], -s[..., :half]) if transpose else (s[..., :half], s[..., half:])
     if inverse:
         s_a, s_b = -s_a, -s_b
-    out_a = a * c_a - b * s_a
-    out_b = b * c_b + a * s_b
+    if round_to is None:
+        out_a = a * c_a - b * s_a
+        out_b = b * c_b + a * s_b
+    else:
+
+        def rnd(t: torch.Tensor) -> torch.Tensor:
+            return t.to(round_to).to(x.dtype)
+
+        out_a = rnd(rnd(a * c_a) - rnd(b * s_a))
+        out_b = rnd(rnd(b * c_b) + rnd(a * s_b))
     pad = is_padding[..., None, None]
     out_a = torch.where(pad, a, out_a)
     out_b = torch.where(pad, b, out_b)
@@ -165,6 +176,7 @@ def rope_kv_backward(
     k_dim: int,
     interleaved_in: bool,
     interleaved_out: bool,
+    megatron_rounding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The key/value op's backward: ``dk: [tokens..., H, K + R]``, ``dv: [tokens..., H, V]`` ->
     ``dkv: [tokens..., H, K + V]``, ``dk_pe: [tokens..., R]``.
@@ -177,6 +189,11 @@ def rope_kv_backward(
 
     With no heads (``H == 0``) ``k_pe`` reaches no output, and its gradient is zero in every row,
     whatever the position (an out-of-range one included), as the kernels write it.
+
+    ``megatron_rounding`` (only ``mlarope.compat.megatron`` sets it) rounds where Megatron-Core's
+    kernel and its unfused PyTorch path round: the head sum to ``dk``'s dtype, then, when the
+    tables share ``dk``'s 16-bit dtype, each product and the sum of the rotation to that dtype
+    (:func:`megatron_product_dtype`).
     """
     dtype = compute_dtype(dk.dtype)
     dkv = torch.cat((dk[..., :k_dim], dv), dim=-1)
@@ -185,6 +202,10 @@ def rope_kv_backward(
     total = dk[..., 0, k_dim:].to(dtype)
     for head in range(1, dk.shape[-2]):
         total = total + dk[..., head, k_dim:].to(dtype)
+    round_to = None
+    if megatron_rounding:
+        total = total.to(dk.dtype).to(dtype)
+        round_to = megatron_product_dtype(dk.dtype, cos.dtype)
     cos_rows, sin_rows, is_padding, in_range = _tables_for(
         positions, dk.shape[:-2], cos, sin, dtype, dk.device
     )
@@ -198,8 +219,18 @@ def rope_kv_backward(
         interleaved_out=interleaved_in,
         inverse=False,
         transpose=True,
+        round_to=round_to,
     )
     return dkv, dk_pe.squeeze(-2).to(dk.dtype)
+
+
+def megatron_product_dtype(grad_dtype: torch.dtype, table_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype Megatron-Core's key/value backward rounds each product of its rotation to: the
+    promoted dtype of the gradient and the tables, when that is a 16-bit dtype (bf16 or fp16
+    gradients with tables of the same dtype, as Megatron passes them); None when products are
+    computed in fp32 or wider (no rounding beyond the compute dtype's)."""
+    promoted = torch.promote_types(grad_dtype, table_dtype)
+    return promoted if promoted in (torch.bfloat16, torch.float16) else None
 
 
 def apply_rope_q(

@@ -36,15 +36,29 @@ rotated with ``c = cos[p]``, ``s = sin[p]``: ``a' = a * c[j] - b * s[j]``,
 (Megatron's name means "undo the de-interleaving"; its docstring says "non-interleaved", but its
 kernel and its reference ``_apply_rotary_pos_emb_bshd`` write pairs, and so does this module).
 
-Differences from Megatron-Core (details in ``docs/megatron.md``): fp32 arithmetic with one
-rounding (Megatron computes in the activation dtype); the kernels are race-free and
-deterministic; thd padding rows pass through unrotated instead of being rotated with table row
-0; in-place calls are declared to autograd, so an in-place call on a leaf that requires grad
-raises (use :func:`fused_mla_rope_out_of_place`) and a tensor another op saved for its backward
-raises at backward time instead of silently producing wrong gradients; ``emb_dim`` must be a
-rope width mlarope's kernels support (32, 64 or 128; DeepSeek uses 64), where Megatron takes any
-power of two ``>= 4``; every argument is validated with ``ValueError``/``TypeError`` (Megatron
-asserts).
+Where Megatron's tests and models depend on it, this module behaves as Megatron-Core does
+(details in ``docs/megatron.md``):
+
+- **In place on a leaf.** A leaf that requires grad (or a view of one), as Megatron's own tests
+  pass it, is rotated in place and the returned tensor, on the leaf's storage, carries the
+  rotation's backward, so the leaf's ``.grad`` is the rotated-back gradient. The leaf's version
+  counter is bumped, so another op that saved the leaf still raises at backward time. (The
+  native :func:`mlarope.apply_rope_q` keeps autograd's rule and refuses a leaf. Under
+  ``torch.compile`` the returned tensor has its own storage; values and gradient are the same.)
+- **The** ``k_pos_emb`` **gradient** is rounded where Megatron-Core's kernel and its unfused
+  PyTorch path round it (``rounding="megatron"``, the default of the key/value functions): the
+  fp32 head sum to the activation dtype, then each product and the sum of the rotation to it
+  when the tables are in that dtype, so the fused and unfused paths of a Megatron model agree.
+  ``rounding="exact"`` gives the correctly rounded result (fp32 arithmetic, one rounding).
+
+Differences from Megatron-Core: the rotations are computed in fp32 and rounded once (Megatron
+computes them in the activation dtype; the results differ by at most about one ulp of the
+products); the kernels are race-free and deterministic; thd padding rows pass through unrotated
+instead of being rotated with table row 0; an in-place call on a non-leaf is declared to
+autograd (``mark_dirty``), so a tensor another op saved for its backward raises at backward time
+instead of silently producing wrong gradients; ``emb_dim`` must be a rope width mlarope's
+kernels support (32, 64 or 128; DeepSeek uses 64), where Megatron takes any power of two
+``>= 4``; every argument is validated with ``ValueError``/``TypeError`` (Megatron asserts).
 """
 
 from __future__ import annotations
@@ -56,8 +70,11 @@ from typing import NoReturn
 import torch
 
 import mlarope
+from mlarope import _checks
+from mlarope.ops import rope_kv_differentiable
 
 __all__ = [
+    "ROUNDING_MODES",
     "fused_apply_mla_rope_for_kv",
     "fused_apply_mla_rope_for_q",
     "fused_mla_rope_inplace",
@@ -66,6 +83,10 @@ __all__ = [
 ]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+# The key/value functions' ``rounding``: "megatron" (default) rounds the k_pos_emb gradient where
+# Megatron-Core does; "exact" rounds it once, as mlarope.apply_rope_kv does.
+ROUNDING_MODES = ("megatron", "exact")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,17 +254,47 @@ def _q_kwargs(
     return kwargs
 
 
+class _LeafAlias(torch.autograd.Function):
+    """``t`` -> a new tensor object on ``t``'s storage, sharing its version counter, whose
+    gradient flows to ``t`` unchanged.
+
+    Autograd refuses to rotate a leaf that requires grad (or a view of one) in place; Megatron's
+    function does it anyway, because it never tells autograd (no ``mark_dirty``). Rotating this
+    alias in place instead is allowed and declared: the alias takes the rotation's backward, the
+    leaf gets the rotated-back gradient through this node, and the shared version counter makes
+    any other op that saved the leaf raise at backward time."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _autograd_refuses_in_place(t: torch.Tensor) -> bool:
+    """Whether autograd forbids writing ``t`` in place: a leaf that requires grad, or a view of
+    one (``leaf[..., :]``, ``leaf.view(...)``)."""
+    if not (t.requires_grad and torch.is_grad_enabled()):
+        return False
+    return t.is_leaf or (t._is_view() and t._base.is_leaf)
+
+
 def _rope_q(
     fn: str, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool, kwargs: dict
 ) -> torch.Tensor:
-    if inplace and t.requires_grad and t.is_leaf and torch.is_grad_enabled():
-        _fail(
-            fn,
-            "t is a leaf tensor that requires grad, so rotating it in place cannot be recorded "
-            "by autograd (Megatron-Core's kernel mutated it without telling autograd); use "
-            "fused_mla_rope_out_of_place, or pass a non-leaf such as t.clone()",
-        )
     with _from(fn, "apply_rope_q", "its q is t, its cu_seqlens is cu_seqlens_q"):
+        if inplace and _autograd_refuses_in_place(t):
+            if torch.compiler.is_compiling():
+                # Dynamo loses the alias's autograd edge: rotate out of place, write the values
+                # back into the leaf outside autograd (its version counter moves), and return
+                # the rotated tensor (same values and gradient; its own storage).
+                out = mlarope.apply_rope_q(t, cos, sin, inplace=False, **kwargs)
+                with torch.no_grad():
+                    t.copy_(out)
+                return out
+            t = _LeafAlias.apply(t)
         return mlarope.apply_rope_q(t, cos, sin, inplace=inplace, **kwargs)
 
 
@@ -288,8 +339,10 @@ def fused_mla_rope_inplace(
             ``cu_seqlens`` monotonic), with a device sync.
 
     Returns:
-        ``t`` itself, rotated in place (Megatron returns an alias of ``t``'s storage). The
-        mutation is declared to autograd (``mark_dirty``).
+        ``t`` itself, rotated in place, the mutation declared to autograd (``mark_dirty``). For
+        a leaf that requires grad (or a view of one), which autograd does not let anyone
+        rotate in place, a new tensor on ``t``'s storage whose backward hands ``t`` the
+        rotated-back gradient, as Megatron's function returns.
     """
     return _mla_rope(
         "fused_mla_rope_inplace", True, t, cos, sin, nope_dim, emb_dim, cu_seqlens_q, cp_rank,
@@ -362,7 +415,8 @@ def fused_apply_mla_rope_for_q(
         Others: as :func:`fused_mla_rope_inplace`.
 
     Returns:
-        ``t`` itself, rotated in place, rope channels as two halves.
+        ``t`` itself, rotated in place, rope channels as two halves (for a leaf that requires
+        grad, a tensor on its storage, as :func:`fused_mla_rope_inplace` returns).
     """
     fn = "fused_apply_mla_rope_for_q"
     kwargs = _q_kwargs(
@@ -404,6 +458,7 @@ def fused_mla_rope_kv_split(
     rotary_interleaved: bool = False,
     remove_interleaving: bool = False,
     *,
+    rounding: str = "megatron",
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Splits ``kv`` into key and value and appends the rotated shared ``k_pos_emb`` to the key.
@@ -418,11 +473,18 @@ def fused_mla_rope_kv_split(
         k_dim, v_dim: per-head key-nope and value widths.
         cu_seqlens_kv, cp_rank, cp_size, rotary_interleaved, remove_interleaving, validate:
             as in :func:`fused_mla_rope_inplace`.
+        rounding: mlarope's extra keyword, how the ``k_pos_emb`` gradient is rounded.
+            ``"megatron"`` (default): where Megatron-Core's kernel and its unfused path round,
+            so that a Megatron model's fused and unfused paths agree: the fp32 sum over heads
+            rounded to the activation dtype, then (tables in that dtype) each product and the
+            sum of the rotation. ``"exact"``: fp32 throughout, rounded once (as
+            :func:`mlarope.apply_rope_kv`).
 
     Returns:
         ``key: [..., H, k_dim + emb_dim]`` (``kv[..., :k_dim]`` then the rotated rope
         channels, the same for every head) and ``value: [..., H, v_dim]``, both new
-        tensors. The ``k_pos_emb`` gradient is the sum over heads (fp32, fixed order).
+        tensors. The ``k_pos_emb`` gradient is the sum over heads (fp32, fixed order), rotated
+        back as ``rounding`` says.
     """
     fn = "fused_mla_rope_kv_split"
     return _rope_kv(
@@ -439,6 +501,7 @@ def fused_mla_rope_kv_split(
         cp_size,
         rotary_interleaved,
         remove_interleaving,
+        rounding,
         validate,
     )
 
@@ -456,6 +519,7 @@ def fused_apply_mla_rope_for_kv(
     cp_size: int = 1,
     rotary_interleaved: bool = False,
     *,
+    rounding: str = "megatron",
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's legacy key/value function: :func:`fused_mla_rope_kv_split` with the defaults.
@@ -477,8 +541,19 @@ def fused_apply_mla_rope_for_kv(
         cp_size,
         rotary_interleaved,
         False,
+        rounding,
         validate,
     )
+
+
+def _check_rounding(fn: str, rounding: object) -> str:
+    if not isinstance(rounding, str):
+        _fail(
+            fn, f"rounding must be a str, got {rounding!r} ({type(rounding).__name__})", TypeError
+        )
+    if rounding not in ROUNDING_MODES:
+        _fail(fn, f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
+    return rounding
 
 
 def _rope_kv(
@@ -495,9 +570,12 @@ def _rope_kv(
     cp_size: object,
     rotary_interleaved: object,
     remove_interleaving: object,
+    rounding: object,
     validate: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validates a key/value call and runs it through :func:`mlarope.apply_rope_kv`."""
+    """Validates a key/value call and runs it through :func:`mlarope.apply_rope_kv`, or, when
+    its backward will round as Megatron does, through the same checks and autograd function
+    with the rounding flag (:func:`_apply_rope_kv_megatron_rounding`)."""
     kv = _check_tensor(fn, "kv", kv)
     k_pos_emb = _check_tensor(fn, "k_pos_emb", k_pos_emb)
     cos, sin, cu = _check_common(
@@ -515,6 +593,7 @@ def _rope_kv(
     v_dim = _check_int(fn, "v_dim", v_dim, 1)
     emb_dim = _check_int(fn, "emb_dim", emb_dim, 1)
     _check_bool(fn, "remove_interleaving", remove_interleaving)
+    rounding = _check_rounding(fn, rounding)
     _check_bool(fn, "validate", validate)
     thd = cu is not None
     _check_tokens(fn, "kv", kv, thd, "cu_seqlens_kv")
@@ -546,4 +625,40 @@ def _rope_kv(
         # Megatron's sbhd tables are already the CP-local rows: cp_rank/cp_size play no part.
         kwargs.update(layout="sbhd")
     with _from(fn, "apply_rope_kv", "its k_pe is k_pos_emb, its cu_seqlens is cu_seqlens_kv"):
+        differentiable = torch.is_grad_enabled() and (kv.requires_grad or k_pos_emb.requires_grad)
+        if rounding == "megatron" and (differentiable or torch.compiler.is_compiling()):
+            return _apply_rope_kv_megatron_rounding(kv, k_pos_emb, cos, sin, **kwargs)
+        # Without a backward the rounding mode plays no part: the public call (and its plans).
         return mlarope.apply_rope_kv(kv, k_pos_emb, cos, sin, **kwargs)
+
+
+def _apply_rope_kv_megatron_rounding(
+    kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    k_dim: int,
+    layout: str,
+    cu_seqlens: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    interleaved: bool,
+    interleaved_out: bool,
+    copy_v: bool,
+    validate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mlarope.apply_rope_kv`'s autograd path (its checks, then its autograd function)
+    with the autograd function's ``megatron_rounding`` flag set: the same forward, a backward
+    whose ``k_pe`` gradient rounds where Megatron-Core's does."""
+    kv, k_pe, k_dim, cos2d, sin2d, positions = _checks.check_kv_call(
+        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, None, cp_rank, cp_size, interleaved,
+        interleaved_out,
+    )  # fmt: skip
+    if _checks.validation_requested(validate):
+        n_tokens = kv.shape[0] if kv.dim() == 3 else kv.shape[0] * kv.shape[1]
+        _checks.check_positions_on_device(positions, n_tokens, cos2d.shape[0])
+    return rope_kv_differentiable(
+        kv, k_pe, cos2d, sin2d, positions.cu_seqlens, positions.position_ids, positions.layout,
+        positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v, True,
+    )  # fmt: skip

@@ -172,6 +172,27 @@ def _sum_heads(dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T: tl.cons
     return total
 
 
+@triton.jit
+def _transpose_rotate_rounded(g_a, g_b, c_a, c_b, s_a, s_b, is_padding, out_of_range,
+                              DTYPE: tl.constexpr):  # fmt: skip
+    """The backward rotation with Megatron-Core's roundings (``mlarope.compat.megatron``):
+    ``da = rnd(rnd(g_a*c_a) + rnd(g_b*s_b))``, ``db = rnd(rnd(g_b*c_b) - rnd(g_a*s_a))``, ``rnd``
+    rounding to ``DTYPE`` (the gradient's and the tables' 16-bit dtype); the last ``rnd`` is the
+    caller's store. ``g`` and the tables are ``DTYPE`` values, so each fp32 product is exact
+    and its conversion is the one rounding PyTorch's ``DTYPE`` multiply makes; an fp32 sum
+    rounded at the store is PyTorch's ``DTYPE`` addition. The conversions also keep the
+    compiler from contracting a product into a fused multiply-add."""
+    p_ac = (g_a * c_a).to(DTYPE).to(tl.float32)
+    p_bs = (g_b * s_b).to(DTYPE).to(tl.float32)
+    p_bc = (g_b * c_b).to(DTYPE).to(tl.float32)
+    p_as = (g_a * s_a).to(DTYPE).to(tl.float32)
+    d_a = tl.where(is_padding, g_a, p_ac + p_bs)
+    d_b = tl.where(is_padding, g_b, p_bc - p_as)
+    d_a = tl.where(out_of_range, float("nan"), d_a)
+    d_b = tl.where(out_of_range, float("nan"), d_b)
+    return d_a, d_b
+
+
 @triton.jit(do_not_specialize=VARYING_INTS)
 def _rope_kv_bwd_kernel(
     dk_ptr,  # [D0, D1, H, K + R]
@@ -193,6 +214,8 @@ def _rope_kv_bwd_kernel(
     HEADS_PADDED: tl.constexpr,  # n_heads rounded up to a multiple of 16
     INTERLEAVED_IN: tl.constexpr,  # k_pe's layout (the gradient is written in it)
     INTERLEAVED_OUT: tl.constexpr,  # k's rope layout (dk is read in it)
+    ROUND_SUM: tl.constexpr,  # Megatron-Core's rounding: the head sum to dk_pe's dtype
+    ROUND_PRODUCTS: tl.constexpr,  # ... and each product and the sum of the rotation
 ):  # fmt: skip
     i_t, i_h = program_tile(n_head_blocks)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
@@ -226,6 +249,8 @@ def _rope_kv_bwd_kernel(
         total = _sum_heads(
             dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T, HEADS_PADDED, 2 * HALF
         )
+        if ROUND_SUM:
+            total = total.to(dpe_ptr.dtype.element_ty).to(tl.float32)
         pos, is_padding = token_positions(
             o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size,
             POS_MODE,
@@ -239,10 +264,16 @@ def _rope_kv_bwd_kernel(
             g_a, g_b = tl.split(tl.reshape(total, (BLOCK_T, HALF, 2)))
         else:
             g_a, g_b = tl.split(tl.permute(tl.reshape(total, (BLOCK_T, 2, HALF)), (0, 2, 1)))
-        d_a, d_b = rotate(
-            g_a, g_b, c_a, c_b, s_a, s_b, is_padding[:, None],
-            (~in_range & ~is_padding)[:, None], False, True,
-        )  # fmt: skip
+        if ROUND_PRODUCTS:
+            d_a, d_b = _transpose_rotate_rounded(
+                g_a, g_b, c_a, c_b, s_a, s_b, is_padding[:, None],
+                (~in_range & ~is_padding)[:, None], dpe_ptr.dtype.element_ty,
+            )  # fmt: skip
+        else:
+            d_a, d_b = rotate(
+                g_a, g_b, c_a, c_b, s_a, s_b, is_padding[:, None],
+                (~in_range & ~is_padding)[:, None], False, True,
+            )  # fmt: skip
         d_a = d_a.to(dpe_ptr.dtype.element_ty)
         d_b = d_b.to(dpe_ptr.dtype.element_ty)
         r = tl.arange(0, 2 * HALF)[None, :]
@@ -376,9 +407,14 @@ def rope_kv_backward_launch(
     interleaved_in: bool,
     interleaved_out: bool,
     config: KVLaunchConfig | None = None,
+    megatron_rounding: bool = False,
 ) -> None:
     """Backward: ``dk: [tokens..., H, K + R]``, ``dv: [tokens..., H, V]`` into
-    ``dkv: [tokens..., H, K + V]`` and contiguous ``dk_pe: [tokens..., R]``, one launch."""
+    ``dkv: [tokens..., H, K + V]`` and contiguous ``dk_pe: [tokens..., R]``, one launch.
+
+    ``megatron_rounding``: ``dk_pe`` rounded where Megatron-Core rounds (as
+    ``reference.rope_kv_backward``): the head sum to ``dk_pe``'s dtype, and, for 16-bit
+    gradients with tables of the same dtype, each product and sum of the rotation."""
     d0, d1, n_heads, _, stride_dk0, stride_dk1, stride_dkh = geometry(dk)
     _, _, _, v_dim, stride_dv0, stride_dv1, stride_dvh = geometry(dv)
     _, _, _, _, stride_dkv0, stride_dkv1, stride_dkvh = geometry(dkv)
@@ -390,6 +426,10 @@ def rope_kv_backward_launch(
         dk_pe.zero_()
         return
     config = config or choose_kv_backward_config(n_tokens, n_heads, max(k_dim, v_dim), rope_dim)
+    sixteen_bit = dk_pe.dtype in (torch.bfloat16, torch.float16)
+    round_sum = megatron_rounding and sixteen_bit
+    # reference.megatron_product_dtype: the products' promoted dtype is 16-bit only then.
+    round_products = round_sum and cos.dtype == dk_pe.dtype
     grid, n_head_blocks = tile_grid(n_tokens, config.block_t, n_heads, config.block_h)
     pos_mode, pos_args = position_args(positions, dk, (d0, d1))
     _launch_kv_bwd(
@@ -402,7 +442,8 @@ def rope_kv_backward_launch(
         cos.stride(0),
         *pos_args,
         pos_mode, rope_dim // 2, config.block_t, config.block_h, config.block_c,
-        16 * max(1, cdiv(n_heads, 16)), interleaved_in, interleaved_out,
+        16 * max(1, cdiv(n_heads, 16)), interleaved_in, interleaved_out, round_sum,
+        round_products,
     )  # fmt: skip
 
 
