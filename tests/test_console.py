@@ -75,3 +75,10 @@ def test_plain_progress_cut_short_says_how_far():
     with Console(out).progress("trials", 100) as advance:
         advance(3)
     assert out.getvalue().startswith("trials: 3 of 100 (")
+
+
+def test_plain_progress_of_nothing_prints_nothing():
+    out = io.StringIO()
+    with Console(out).progress("racy control", 0):
+        pass
+    assert out.getvalue() == ""

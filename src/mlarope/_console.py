@@ -107,7 +107,8 @@ class Console:
     @contextlib.contextmanager
     def progress(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
         """A progress report for ``total`` steps, yielding ``advance(steps)``: a rich bar on a
-        terminal; plain, a line at every tenth of the way and one at the end."""
+        terminal; plain, a line at every tenth of the way and one at the end (none for no
+        steps)."""
         if self.rich is not None:
             from rich.progress import Progress
 
@@ -117,7 +118,8 @@ class Console:
             return
         report = _PlainProgress(self, description, total)
         yield report.advance
-        report.line()
+        if total > 0:
+            report.line()
 
 
 class _PlainProgress:
