@@ -4,6 +4,4 @@
 Importing this package checks the installed Triton first (``_triton_compat``): an older release
 than the kernels support raises an ImportError that names the supported versions."""
 
-from ._triton_compat import check_triton_version
-
-check_triton_version()
+from . import _triton_compat  # noqa: F401 (first: the version check)

@@ -2,8 +2,8 @@
 
 Supported: triton 3.6 (what the GPU lane compiles with) to 3.9 (the newest tested), each with
 the numpy pip installs next to it (2.3 and 2.4 tested with 3.6, 2.4 with the others). Older
-releases lack the launcher internals ``_launch`` uses; ``check_triton_version`` turns that
-into an error that names the versions.
+releases lack the launcher internals ``_launch`` uses: importing this module (the kernels
+package does so first) raises an ImportError that names the supported versions instead.
 
 Nothing here changes compiled code: ``loop_bound`` is the identity when compiling (the call
 is inlined; the PTX for sm_90a is byte-identical), and only the interpreter takes the other
@@ -30,7 +30,7 @@ def triton_version_tuple(version: str) -> tuple[int, int]:
 
 def check_triton_version(version: str | None = None) -> None:
     """Raise ImportError, naming the supported versions, when triton is older than 3.6."""
-    version = triton.__version__ if version is None else version
+    version = getattr(triton, "__version__", "0.0") if version is None else version
     if triton_version_tuple(version) < MIN_TRITON:
         raise ImportError(
             f"mlarope's Triton kernels need triton >= {'.'.join(map(str, MIN_TRITON))} (tested: "
@@ -39,6 +39,9 @@ def check_triton_version(version: str | None = None) -> None:
             "(CPU tensors without TRITON_INTERPRET=1) does not need Triton."
         )
 
+
+# Before anything below touches Triton's internals (``knobs`` is recent).
+check_triton_version()
 
 # Triton decides at decoration time, from the same knob, whether @triton.jit compiles or
 # interprets; this module follows that decision.
