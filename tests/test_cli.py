@@ -114,11 +114,21 @@ def test_stress_without_gpu_or_interpreter_exits_2():
 
 
 @pytest.mark.parametrize(
-    "module", ["mlarope", "mlarope.cli", "mlarope.bench", "mlarope.sweep", "mlarope.kernel_report"]
+    "module",
+    [
+        "mlarope",
+        "mlarope.cli",
+        "mlarope.demo",
+        "mlarope.stress",
+        "mlarope.bench",
+        "mlarope.sweep",
+        "mlarope.kernel_report",
+    ],
 )
 def test_every_module_entry_point_has_help(module):
     """``python -m <module> --help`` explains and exits 0 without running anything
-    (``mlarope.kernel_report --help`` used to compile and print the report)."""
+    (``mlarope.kernel_report --help`` used to compile and print the report;
+    ``mlarope.demo`` and ``mlarope.stress`` printed nothing)."""
     result = _run(["-m", module, "--help"], drop=("TRITON_INTERPRET",))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("usage: ")

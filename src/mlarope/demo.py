@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
 
 import torch
@@ -149,3 +150,14 @@ def run(args: argparse.Namespace) -> int:
         console.print(timing)
     console.print("demo passed" if ok else "demo FAILED", style="green" if ok else "red")
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mlarope.demo`` (the same as ``python -m mlarope demo``)."""
+    parser = argparse.ArgumentParser(prog="python -m mlarope demo", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -19,6 +19,7 @@ import functools
 import json
 import multiprocessing
 import random
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -477,3 +478,14 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2, default=str)
     return 1 if failures or summary["trials"] < args.trials else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mlarope.stress`` (the same as ``python -m mlarope stress``)."""
+    parser = argparse.ArgumentParser(prog="python -m mlarope stress", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
