@@ -48,3 +48,104 @@ def test_demo_on_cpu_passes():
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo passed" in result.stdout
+
+
+def _run(
+    code_or_args: list[str], env_extra: dict | None = None, drop: tuple = ()
+) -> subprocess.CompletedProcess:
+    """``python <args>`` in a subprocess with this package importable, stdout a pipe."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env_extra or {})}
+    for name in drop:
+        env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, *code_or_args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_demo_header_is_one_line_in_a_pipe():
+    """Piped output is plain text: rich used to wrap the header at 80 columns
+    (``thd batch [5,`` / ``16, 11]``)."""
+    result = _run(["-m", "mlarope", "demo", "--device", "cpu"], drop=("TRITON_INTERPRET",))
+    assert result.returncode == 0, result.stdout + result.stderr
+    header = result.stdout.splitlines()[0]
+    assert header.startswith("mlarope demo: ") and "thd batch [5, 16, 11] (32 tokens)" in header
+    assert header.rstrip().endswith(tuple("0123456789")), header  # the softmax scale, unwrapped
+
+
+@pytest.mark.parametrize("command", [["info"], ["demo", "--device", "cpu"]])
+def test_commands_run_without_rich(command):
+    """rich is an extra (``mlarope[bench]``): without it the commands print plain text."""
+    code = (
+        "import sys; sys.modules['rich'] = None\n"  # any import of rich now raises ImportError
+        "from mlarope.cli import main\n"
+        f"sys.exit(main({command!r}))\n"
+    )
+    result = _run(["-c", code], drop=("TRITON_INTERPRET",))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_commands_say_why_without_triton():
+    """Without Triton (no wheel for the platform, or one too old for the kernels) ``info``
+    still runs and ``stress`` exits 2 with the reason instead of a traceback."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from mlarope.cli import main\n"
+        "print('info', main(['info']))\n"
+        "print('stress', main(['stress', '--trials', '1']))\n"
+    )
+    result = _run(["-c", code], drop=("TRITON_INTERPRET",))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "info 0" in result.stdout and "stress 2" in result.stdout
+    assert "triton" in result.stdout and "not installed" in result.stdout
+    assert "mlarope stress: cannot run here" in result.stderr
+
+
+def test_stress_without_gpu_or_interpreter_exits_2():
+    """On a CPU-only machine without TRITON_INTERPRET=1 the stress run says what to set and
+    exits 2, as ``bench`` does (it used to die in Triton's driver with a traceback)."""
+    result = _run(
+        ["-m", "mlarope", "stress", "--trials", "2"],
+        env_extra={"CUDA_VISIBLE_DEVICES": ""}, drop=("TRITON_INTERPRET",),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "TRITON_INTERPRET=1" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "mlarope",
+        "mlarope.cli",
+        "mlarope.demo",
+        "mlarope.stress",
+        "mlarope.bench",
+        "mlarope.sweep",
+        "mlarope.kernel_report",
+    ],
+)
+def test_every_module_entry_point_has_help(module):
+    """``python -m <module> --help`` explains and exits 0 without running anything
+    (``mlarope.kernel_report --help`` used to compile and print the report;
+    ``mlarope.demo`` and ``mlarope.stress`` printed nothing)."""
+    result = _run(["-m", module, "--help"], drop=("TRITON_INTERPRET",))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("usage: ")
+    assert "| kernel |" not in result.stdout
+
+
+def test_unknown_option_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["info", "--no-such-option"])
+    assert exit_info.value.code == 2
+    assert "--no-such-option" in capsys.readouterr().err
+
+
+def test_version_has_one_source():
+    """``mlarope.__version__`` is what the installed metadata says (pyproject reads it)."""
+    from importlib.metadata import version
+
+    import mlarope
+
+    assert mlarope.__version__ == version("mlarope")

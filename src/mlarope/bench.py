@@ -868,11 +868,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _console():
-    try:
-        from rich.console import Console
-    except ImportError:
-        return None
-    return Console(width=None if sys.stdout.isatty() else 200)
+    """rich on a terminal (when installed); None, plain text, in a pipe or a log."""
+    from ._console import rich_console
+
+    return rich_console()
 
 
 def _say(console, text: str) -> None:

@@ -1,13 +1,16 @@
 """``python -m mlarope``: demo, stress, bench and info.
 
 Exit codes: 0 success; 1 a check failed (wrong elements, a missed correctness check); 2 bad
-usage (argparse). Each subcommand's module provides ``add_arguments(parser)`` and ``run(args)``.
+usage (argparse), or the command cannot run here (``bench`` without a CUDA device, ``stress``
+with neither a CUDA device nor Triton's interpreter, a missing or too old Triton). Each
+subcommand's module provides ``add_arguments(parser)`` and ``run(args)``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -24,25 +27,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``info``: print versions, the backend each device would use, and the devices present."""
-    import os
-
     import torch
-    from rich.console import Console
-    from rich.table import Table
 
     import mlarope
     from mlarope import _plans
+    from mlarope._console import Console, Table
 
     table = Table(title="mlarope info", show_header=False)
+    table.add_column("item")
+    table.add_column("value")
     table.add_row("mlarope", mlarope.__version__)
     table.add_row("python", sys.version.split()[0])
     table.add_row("torch", torch.__version__)
-    try:
-        import triton
-
-        table.add_row("triton", triton.__version__)
-    except ImportError:  # pragma: no cover - triton is a dependency
-        table.add_row("triton", "not installed")
+    table.add_row("triton", _triton_status())
+    table.add_row("numpy", _version_of("numpy"))
     interpreter = os.environ.get("TRITON_INTERPRET", "0") == "1"
     table.add_row(
         "TRITON_INTERPRET", "1 (CPU tensors run the Triton kernels)" if interpreter else "0"
@@ -58,20 +56,54 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version_of(module: str) -> str:
+    try:
+        return importlib.import_module(module).__version__
+    except ImportError:
+        return "not installed"
+
+
+def _triton_status() -> str:
+    """Triton's version, or why the kernels cannot use it."""
+    try:
+        import triton
+    except ImportError:
+        return "not installed (CPU tensors run the PyTorch reference)"
+    try:
+        import mlarope.kernels  # noqa: F401 (checks the version)
+    except ImportError as exc:
+        return f"{triton.__version__}: {exc}"
+    return triton.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # The console script (``mlarope``) or ``python -m mlarope``, as the user typed it.
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     parser = argparse.ArgumentParser(
-        prog="python -m mlarope",
+        prog="mlarope" if script == "mlarope" else "python -m mlarope",
         description="Fused, race-free MLA rotary position embedding: tools.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(command)
+        try:
+            importlib.import_module(module).add_arguments(command)
+        except ImportError as exc:
+            # A command whose module cannot be imported here (no Triton, or one too old for the
+            # kernels) says why when run; the other commands, ``info`` first, still work.
+            command.set_defaults(import_error=str(exc))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    error = getattr(args, "import_error", None)
+    if error is not None:
+        print(f"mlarope {args.command}: cannot run here: {error}", file=sys.stderr)
+        return 2
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return importlib.import_module(COMMANDS[args.command][0]).run(args)
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 import mlarope
+from mlarope.ops import use_triton
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,8 +72,7 @@ def _time(fn, device, repeats=20) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from ._console import Console, Table
 
     console = Console()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -97,10 +98,14 @@ def run(args: argparse.Namespace) -> int:
     q = rand(n_tokens, heads, nope + rope)
     kv = rand(n_tokens, heads, k_dim + v_dim)
     k_pe = rand(n_tokens, 1, rope)
+    backend = "Triton kernels" if use_triton(q) else "PyTorch reference"
+    if backend == "Triton kernels" and not on_gpu:
+        backend += " under Triton's interpreter"
     console.print(
-        f"[bold]mlarope demo[/bold]: DeepSeek-V3 MLA, {heads} heads, N={nope} R={rope} "
-        f"K={k_dim} V={v_dim}, thd batch {seq_lens} ({n_tokens} tokens), {dtype}, {device}, "
-        f"YaRN factor {cfg.factor}, softmax scale {scale:.6f}"
+        f"mlarope demo: DeepSeek-V3 MLA, {heads} heads, N={nope} R={rope} K={k_dim} V={v_dim}, "
+        f"thd batch {seq_lens} ({n_tokens} tokens), {dtype}, {device} ({backend}), "
+        f"YaRN factor {cfg.factor}, softmax scale {scale:.6f}",
+        style="bold",
     )
     ours = _mla_step(mlarope, q, kv, k_pe, cos, sin, cu, k_dim, scale, inplace=True)
     # The reference in float64: the rope inputs are exact in float64, so the comparison measures
@@ -120,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
         rel = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         passed = rel <= limit
         ok &= passed
-        table.add_row(name, f"{rel:.2e}", f"{limit:.0e}", "yes" if passed else "[red]NO[/red]")
+        table.add_row(
+            name, f"{rel:.2e}", f"{limit:.0e}", "yes" if passed else "NO",
+            styles=(None, None, None, None if passed else "red"),
+        )  # fmt: skip
     console.print(table)
 
     if on_gpu:
@@ -140,5 +148,16 @@ def run(args: argparse.Namespace) -> int:
         for name, fast, slow in rows:
             timing.add_row(name, f"{_time(fast, device):.3f}", f"{_time(slow, device):.3f}")
         console.print(timing)
-    console.print("[green]demo passed[/green]" if ok else "[red]demo FAILED[/red]")
+    console.print("demo passed" if ok else "demo FAILED", style="green" if ok else "red")
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mlarope.demo`` (the same as ``python -m mlarope demo``)."""
+    parser = argparse.ArgumentParser(prog="python -m mlarope demo", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

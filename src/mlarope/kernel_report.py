@@ -11,6 +11,7 @@ It needs Triton's bundled ``ptxas`` (part of the triton wheel on x86-64 Linux), 
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -39,11 +40,13 @@ class KernelReport:
 
 
 def _ptxas() -> str:
-    import triton
+    """The ptxas Triton itself runs for sm_90a: from 3.9 on that is the newer ``ptxas-blackwell``
+    (Triton 3.9 writes PTX 9.4, which the older ``ptxas`` it also bundles rejects)."""
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"Triton's ptxas is not at {path}")
+    path = get_ptxas(90).path
+    if not path or not os.path.exists(path):
+        raise FileNotFoundError(f"Triton's sm_90a ptxas is not at {path}")
     return path
 
 
@@ -145,7 +148,14 @@ def deepseek_v3_reports() -> list[KernelReport]:
     return reports
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mlarope.kernel_report``: print the report as a Markdown table."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mlarope.kernel_report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.parse_args(argv)
     print(
         "| kernel | warps | registers | spill bytes | shared bytes | " + " | ".join(PATTERNS) + " |"
     )

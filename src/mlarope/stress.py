@@ -19,6 +19,7 @@ import functools
 import json
 import multiprocessing
 import random
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -356,15 +357,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the summary as JSON to this path")
 
 
+def _device_problem(device: str) -> str | None:
+    """Why the kernels cannot run on ``device``, or None. The trials call the Triton launchers
+    directly: CUDA needs a CUDA device, and CPU tensors need Triton's interpreter, which
+    ``TRITON_INTERPRET=1`` turns on only when set before triton is first imported."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        return f"--device must be cuda or cpu, got {device!r}"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return "--device cuda, but no CUDA device is available"
+        return None
+    if kind != "cpu":
+        return f"--device must be cuda or cpu, got {device!r}"
+    from .kernels._triton_compat import INTERPRETED
+
+    if not INTERPRETED:
+        return (
+            ("no CUDA device; " if not torch.cuda.is_available() else "")
+            + "on the CPU the trials run the Triton kernels under Triton's interpreter, which is "
+            "off: set TRITON_INTERPRET=1 before Python starts "
+            "(TRITON_INTERPRET=1 python -m mlarope stress)"
+        )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Exit code 0 when every requested trial of ours ran with 0 wrong elements; 1 when a trial
-    failed or ``--max-seconds`` stopped the run before all trials ran."""
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
+    failed or ``--max-seconds`` stopped the run before all trials ran; 2 when the kernels
+    cannot run on the device (no CUDA device and no interpreter, an unknown device)."""
+    from ._console import Console, Table
 
     console = Console()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    problem = _device_problem(device)
+    if problem:
+        console.print(f"mlarope stress: {problem}", style="red")
+        return 2
     small = args.small or device == "cpu"
     chunk = max(1, min(50, args.trials // max(1, 4 * args.workers)))
     jobs = [
@@ -375,8 +405,7 @@ def run(args: argparse.Namespace) -> int:
     counts = {"q": 0, "kv": 0}
     coverage: Counter = Counter()
     start = time.perf_counter()
-    with Progress(console=console, transient=False) as progress:
-        task = progress.add_task("mlarope trials", total=args.trials)
+    with console.progress("mlarope trials", args.trials) as advance:
         if args.workers > 1:
             pool = multiprocessing.get_context("spawn").Pool(args.workers)
             results = pool.imap_unordered(_run_chunk, jobs)
@@ -387,15 +416,15 @@ def run(args: argparse.Namespace) -> int:
             for op, n in result["counts"].items():
                 counts[op] += n
             coverage.update(result["coverage"])
-            progress.advance(task, result["count"])
+            advance(result["count"])
             if args.max_seconds and time.perf_counter() - start > args.max_seconds:
                 break
         if pool is not None:
             pool.terminate()
             pool.join()
-        control_task = progress.add_task("racy control", total=args.control_trials)
-        control_failed = 0
-        control_by_config: dict[str, list[int]] = {}
+    control_failed = 0
+    control_by_config: dict[str, list[int]] = {}
+    with console.progress("racy control", args.control_trials) as advance:
         gen = torch.Generator(device=device).manual_seed(args.seed)
         # The faithful control (no barrier, the incumbent's lookup) at R = 64 and R = 128 and,
         # on the GPU, the same kernel with warp 0 delayed (racy_control's skew injector).
@@ -410,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
             stats[0] += 1
             stats[1] += wrong > 0
             control_failed += wrong > 0
-            progress.advance(control_task)
+            advance(1)
     failures.sort(key=lambda f: f["trial"])
     elapsed = time.perf_counter() - start
     summary = {
@@ -441,10 +470,22 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"control by launch config: {control_by_config}; {elapsed:.1f} s on {device}")
     if summary["trials"] < args.trials:
         console.print(
-            f"[bold red]stopped early[/]: {summary['trials']} of {args.trials} trials ran in the "
-            f"--max-seconds limit; exit code 1"
+            f"stopped early: {summary['trials']} of {args.trials} trials ran in the "
+            f"--max-seconds limit; exit code 1",
+            style="bold red",
         )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2, default=str)
     return 1 if failures or summary["trials"] < args.trials else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mlarope.stress`` (the same as ``python -m mlarope stress``)."""
+    parser = argparse.ArgumentParser(prog="python -m mlarope stress", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

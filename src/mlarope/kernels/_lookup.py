@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ..positions import PADDING_POSITION, search_steps  # noqa: F401 (PADDING_POSITION: re-exported)
 from ._launch import DirectLauncher
+from ._triton_compat import loop_bound
 
 # Position sources (constexpr POS_MODE).
 SEQ_DIM0 = 0  # sbhd, or thd without cu_seqlens: position = index along token dim 0
@@ -112,7 +113,7 @@ def search_cu_seqlens(
     lo = tl.zeros_like(t)
     hi = tl.zeros_like(t) + n_seqs
     k = tl.arange(0, SEARCH_FANOUT).to(tl.int64)[None, :]
-    for _ in range(search_steps):
+    for _ in range(loop_bound(search_steps)):
         stride = (hi - lo + (SEARCH_FANOUT - 1)) >> SEARCH_FANOUT_LOG2
         index = lo[:, None] + k * stride[:, None]
         sampled = (index < hi[:, None]) & t_mask[:, None]
@@ -121,7 +122,11 @@ def search_cu_seqlens(
         lo = lo + (tl.maximum(below, 1) - 1).to(tl.int64) * stride
         hi = tl.minimum(lo + stride, hi)
     start = tl.load(cu_ptr + lo, mask=t_mask, other=0).to(tl.int64) // cp_size
-    end = tl.load(cu_ptr + lo + 1, mask=t_mask & (n_seqs > 0), other=0).to(tl.int64)
+    # "!= 0" on the mask: the compiler folds it away (the same PTX), and Triton 3.9's interpreter
+    # needs it: there a scalar comparison broadcast to a block keeps int32 data, which its
+    # masked load rejects ("mask has unsupported dtype").
+    end_mask = (t_mask & (n_seqs > 0)) != 0
+    end = tl.load(cu_ptr + lo + 1, mask=end_mask, other=0).to(tl.int64)
     pos = _global_position(t - start, end // cp_size - start, cp_rank, cp_size)
     return pos, is_padding
 

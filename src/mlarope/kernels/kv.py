@@ -34,13 +34,14 @@ from ._lookup import (
     token_positions,
 )
 from ._tiles import cdiv, geometry, program_tile, tile_grid
+from ._triton_compat import loop_bound
 
 
 @triton.jit
 def _copy_channels(src_ptr, dst_ptr, src_row, dst_row, m_row, first, n_channels,
                    BLOCK_C: tl.constexpr):  # fmt: skip
     """Copy channels ``first`` to ``n_channels`` of a ``[BLOCK_T, BLOCK_H]`` block of rows."""
-    for c0 in range(first, n_channels, BLOCK_C):
+    for c0 in range(first, loop_bound(n_channels), BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)[None, None, :]
         m = m_row & (c < n_channels)
         tl.store(dst_ptr + dst_row + c, tl.load(src_ptr + src_row + c, mask=m), mask=m)
@@ -234,7 +235,7 @@ def _rope_kv_bwd_kernel(
 
     # dkv = [dk[..., :K], dv] for this program's heads: every load before any store.
     n_copy = tl.maximum(k_dim, v_dim)
-    for c0 in range(0, n_copy, BLOCK_C):
+    for c0 in range(0, loop_bound(n_copy), BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)[None, None, :]
         m_k = m_row & (c < k_dim)
         m_v = m_row & (c < v_dim)

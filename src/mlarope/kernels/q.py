@@ -25,6 +25,7 @@ from ._lookup import (
     token_positions,
 )
 from ._tiles import geometry, program_tile, tile_grid
+from ._triton_compat import loop_bound
 
 
 @triton.jit
@@ -133,7 +134,7 @@ def _rope_q_kernel(
         tl.store(o_rope + HALF + jj, out_b, mask=m_pair)
 
     if not IN_PLACE:
-        for n0 in range(0, n_nope, BLOCK_N):
+        for n0 in range(0, loop_bound(n_nope), BLOCK_N):
             c = n0 + tl.arange(0, BLOCK_N)[None, None, :]
             m = m_row & (c < n_nope)
             tl.store(out_ptr + o_row + c, tl.load(x_ptr + x_row + c, mask=m), mask=m)

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_compat import loop_bound
+
 
 @triton.jit
 def _racy_rope_inplace_kernel(
@@ -51,7 +53,7 @@ def _racy_rope_inplace_kernel(
     m = (o_h < n_heads)[:, None] & (j < HALF)[None, :]
     row = x_ptr + i_t * stride_xt + o_h.to(tl.int64)[:, None] * stride_xh + n_nope
     seq = 0
-    for i in range(n_seqs):  # the incumbent's linear scan
+    for i in range(loop_bound(n_seqs)):  # the incumbent's linear scan
         seq = tl.where(tl.load(cu_ptr + i).to(tl.int64) <= i_t, i, seq)
     pos = i_t - tl.load(cu_ptr + seq).to(tl.int64)
     c_a = tl.load(cos_ptr + pos * stride_table + j).to(tl.float32)[None, :]
@@ -64,7 +66,7 @@ def _racy_rope_inplace_kernel(
             "mov.u32 $0, %tid.x;", "=r,r", [hop], dtype=tl.int32, is_pure=True, pack=1
         )
         slow = (tid // 32) == 0
-        for _ in range(skew_steps):
+        for _ in range(loop_bound(skew_steps)):
             hop = tl.load(skew_ptr + hop, mask=slow, other=0)
     a = tl.load(row + 2 * j[None, :] + hop, mask=m).to(tl.float32)
     b = tl.load(row + 2 * j[None, :] + 1 + hop, mask=m).to(tl.float32)
