@@ -26,11 +26,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import mlarope
 from mlarope import reference
 from mlarope._checks import Positions
 from mlarope.compat import megatron as mm
+from mlarope.kernels.kv import round_to_16bit
 from mlarope.ops import rope_kv_backward_impl
 
 H, N, R = 3, 4, 32  # heads, nope channels, rope channels (mlarope: R in 32, 64, 128)
@@ -144,10 +147,11 @@ def megatron_kpe_grad(gk_rope, pos, cos, sin, pairs_out, rnd, round_products):
 
 
 def rounder(dtype: torch.dtype, device) -> object:
-    """Rounding of fp32 values to ``dtype`` as the backend under test does it: to nearest even,
-    except Triton's interpreter (the CPU lane), which truncates fp32 -> bf16."""
-    if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
-        return lambda x: (x.float().view(torch.int32) & -65536).view(torch.float32)
+    """Rounding of fp32 values to ``dtype`` as every backend does it at Megatron's rounding
+    points: to nearest even (the kernel rounds with integer arithmetic,
+    ``kernels.kv.round_to_16bit``, so Triton's interpreter, which truncates its own fp32 ->
+    bf16 conversions, rounds to nearest even there too). ``device`` is kept for the callers."""
+    del device
     return lambda x: x.to(dtype).float()
 
 
@@ -488,17 +492,15 @@ def test_reference_backend_rounds_as_megatron(ril, layout, dtype):
     assert reference.megatron_product_dtype(torch.bfloat16, torch.float16) is None
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=str
-)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 @pytest.mark.parametrize("ril", [False, True])
 def test_kernel_rounds_as_the_reference(ril, layout, dtype, device):
     """The key/value backward kernel with Megatron's rounding equals the PyTorch reference's
-    bit for bit (``ops.rope_kv_backward_impl``, the flag both backends share). fp16 on every lane
-    (Triton's interpreter rounds fp32 -> fp16 to nearest even); bf16 on the GPU (the interpreter
-    truncates fp32 -> bf16: the CPU lane checks the kernel against a truncating emulation in
-    test_kv_matches_megatron instead)."""
+    bit for bit (``ops.rope_kv_backward_impl``, the flag both backends share), on every lane.
+    (On the H200 this failed in up to 24 ulps while the kernel rounded with
+    ``x.to(fp16).to(fp32)``, which the compiler folded away; ``round_to_16bit`` rounds with
+    integer arithmetic.)"""
     cos, sin = make_tables(dtype, device, seed=41)
     tokens = tokens_shape(layout, 2)
     dk = quantized(*tokens, H, K + R, dtype=dtype, seed=42, device=device)
@@ -839,3 +841,44 @@ def test_k_pos_emb_without_head_axis_is_accepted():
     k1, v1 = mm.fused_apply_mla_rope_for_kv(kv, kpe, cos, sin, R, K, V)
     k2, v2 = mm.fused_apply_mla_rope_for_kv(kv, kpe.view(S, B, R), cos, sin, R, K, V)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@triton.jit
+def _round_kernel(x_ptr, y_ptr, n, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(y_ptr + o, round_to_16bit(tl.load(x_ptr + o, mask=m), DTYPE), mask=m)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_round_to_16bit_is_torchs_rounding(dtype, device):
+    """``kernels.kv.round_to_16bit`` (Megatron's rounding points in the kernel) rounds fp32 to
+    ``dtype`` exactly as PyTorch's conversion does: ties, subnormals of both formats, the
+    largest finite values and overflow, infinities and NaN, on both lanes. A kernel that rounds
+    through ``x.to(dtype).to(fp32)`` fails this on the GPU (the compiler folds the pair)."""
+    g = torch.Generator().manual_seed(5)
+    finfo = torch.finfo(dtype)
+    lowp = torch.randn(4096, generator=g).to(dtype).float()
+    mantissa_bits = 7 if dtype == torch.bfloat16 else 10
+    step = lowp.abs() * 2.0 ** -(mantissa_bits + 1)  # about half a spacing: ties, and near them
+    specials = torch.tensor(
+        [0.0, -0.0, finfo.max, -finfo.max, finfo.tiny, finfo.tiny / 2, finfo.tiny / 3,
+         2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -26, 65504.0, 65519.0, 65520.0, 65536.0,
+         1e30, -1e30, 3.4e38, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-45],
+    )  # fmt: skip
+    x = torch.cat((
+        lowp + step, lowp - step, lowp + step / 3, torch.randn(4096, generator=g) * 1e-5,
+        torch.randn(2048, generator=g) * 1e4, torch.randn(2048, generator=g), specials,
+    ))  # fmt: skip
+    x = x.to(device)
+    y = torch.empty_like(x)
+    n = x.numel()
+    tl_dtype = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+    _round_kernel[(triton.cdiv(n, 1024),)](x, y, n, tl_dtype, 1024)
+    want = x.cpu().to(dtype).float()
+    got = y.cpu()
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), (
+        f"{int((~same).sum())} of {n} differ; first x = {x.cpu()[~same][:4].tolist()}: "
+        f"got {got[~same][:4].tolist()}, want {want[~same][:4].tolist()}"
+    )

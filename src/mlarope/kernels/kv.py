@@ -174,21 +174,45 @@ def _sum_heads(dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T: tl.cons
 
 
 @triton.jit
+def round_to_16bit(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to the nearest ``DTYPE`` value (bf16 or fp16), ties to even, as fp32.
+
+    Integer arithmetic on the bits, not ``x.to(DTYPE).to(tl.float32)``: the compiler folds such
+    a conversion and its inverse into nothing (no rounding at all on sm_90), and Triton's
+    interpreter truncates fp32 -> bf16. bf16 keeps fp32's exponent, so its rounding is the
+    top 16 bits rounded to nearest even, subnormals and overflow to infinity included. fp16:
+    the same with 10 mantissa bits in its normal range; below 2^-14 its values are the multiples
+    of 2^-24, and ``0.75 + x`` lies in [0.5, 1), where fp32's spacing is 2^-24, so that sum
+    rounds ``x`` to the grid (ties to even) and the subtraction is exact (the sign of a zero
+    result is ``x``'s); past 65504 the rounded value is infinite. NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    if DTYPE.is_bf16():
+        rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
+    else:
+        rounded = ((bits + (0xFFF + ((bits >> 13) & 1))) & -8192).to(tl.float32, bitcast=True)
+        tiny = ((x + 0.75) - 0.75).to(tl.int32, bitcast=True) | (bits & -2147483648)  # x's sign
+        rounded = tl.where(tl.abs(x) < 6.103515625e-05, tiny.to(tl.float32, bitcast=True), rounded)
+        infinity = tl.where(x < 0, float("-inf"), float("inf"))
+        rounded = tl.where(tl.abs(rounded) > 65504.0, infinity, rounded)
+    return tl.where(x != x, x, rounded)
+
+
+@triton.jit
 def _transpose_rotate_rounded(g_a, g_b, c_a, c_b, s_a, s_b, is_padding, out_of_range,
                               DTYPE: tl.constexpr):  # fmt: skip
     """The backward rotation with Megatron-Core's roundings (``mlarope.compat.megatron``):
     ``da = rnd(rnd(g_a*c_a) + rnd(g_b*s_b))``, ``db = rnd(rnd(g_b*c_b) - rnd(g_a*s_a))``, ``rnd``
-    rounding to ``DTYPE`` (the gradient's and the tables' 16-bit dtype); the last ``rnd`` is the
-    caller's store. ``g`` and the tables are ``DTYPE`` values, so each fp32 product is exact
-    and its conversion is the one rounding PyTorch's ``DTYPE`` multiply makes; an fp32 sum
-    rounded at the store is PyTorch's ``DTYPE`` addition. The conversions also keep the
-    compiler from contracting a product into a fused multiply-add."""
-    p_ac = (g_a * c_a).to(DTYPE).to(tl.float32)
-    p_bs = (g_b * s_b).to(DTYPE).to(tl.float32)
-    p_bc = (g_b * c_b).to(DTYPE).to(tl.float32)
-    p_as = (g_a * s_a).to(DTYPE).to(tl.float32)
-    d_a = tl.where(is_padding, g_a, p_ac + p_bs)
-    d_b = tl.where(is_padding, g_b, p_bc - p_as)
+    rounding to ``DTYPE`` (the gradient's and the tables' 16-bit dtype: ``round_to_16bit``).
+    ``g`` and the tables are ``DTYPE`` values, so each fp32 product is exact and its rounding is
+    the one PyTorch's ``DTYPE`` multiply makes, and an fp32 sum of two ``DTYPE`` values rounded
+    once is PyTorch's ``DTYPE`` addition. The results are ``DTYPE`` values: the store's
+    conversion is exact."""
+    p_ac = round_to_16bit(g_a * c_a, DTYPE)
+    p_bs = round_to_16bit(g_b * s_b, DTYPE)
+    p_bc = round_to_16bit(g_b * c_b, DTYPE)
+    p_as = round_to_16bit(g_a * s_a, DTYPE)
+    d_a = tl.where(is_padding, g_a, round_to_16bit(p_ac + p_bs, DTYPE))
+    d_b = tl.where(is_padding, g_b, round_to_16bit(p_bc - p_as, DTYPE))
     d_a = tl.where(out_of_range, float("nan"), d_a)
     d_b = tl.where(out_of_range, float("nan"), d_b)
     return d_a, d_b
@@ -251,7 +275,7 @@ def _rope_kv_bwd_kernel(
             dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T, HEADS_PADDED, 2 * HALF
         )
         if ROUND_SUM:
-            total = total.to(dpe_ptr.dtype.element_ty).to(tl.float32)
+            total = round_to_16bit(total, dpe_ptr.dtype.element_ty)
         pos, is_padding = token_positions(
             o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size,
             POS_MODE,
