@@ -22,12 +22,12 @@ import triton.language as tl
 
 import mlarope
 from mlarope import _checks, _plans
-from mlarope._checks import Positions
 from mlarope.bench import host_us_per_call
 from mlarope.kernels import q as q_kernels
 from mlarope.kernels._launch import DirectLauncher
 from mlarope.kernels.kv import rope_kv_launch
 from mlarope.kernels.q import rope_q_launch
+from mlarope.positions import Positions
 
 
 @triton.jit

@@ -20,9 +20,9 @@ import torch
 from triton.testing import do_bench
 
 from mlarope import YarnConfig, sweep
-from mlarope._checks import Positions
-from mlarope.kernels import _lookup
+from mlarope.kernels import lookup
 from mlarope.kernels.q import QLaunchConfig, choose_q_config, rope_q_launch
+from mlarope.positions import Positions
 
 TOKENS, HEADS, NOPE, ROPE = 16384, 128, 128, 64
 # (block_t, block_h, block_n, num_warps) candidates beside the heuristic: the heuristic of
@@ -49,7 +49,7 @@ def main(device: torch.device | None = None, argv: list[str] | None = None) -> N
             q = torch.randn(TOKENS, HEADS, NOPE + ROPE, device=device, dtype=torch.bfloat16)
             cu = (torch.arange(n + 1, dtype=torch.int32) * (TOKENS // n)).to(device)
             found = torch.empty(TOKENS, dtype=torch.int64, device=device)
-            _lookup.search_positions(cu, found, 0, 1)
+            lookup.launch_cu_seqlens_search(cu, found, 0, 1)
             # The precomputed positions as position_ids: the same loads as the cu_seqlens path
             # without its search launch.
             positions = Positions("thd", None, found, 0, 1)

@@ -376,13 +376,13 @@ def test_timed_calls_search_as_the_ops_do(op, device, monkeypatch):
     """A timed forward with ``cu_seqlens`` searches on every call, as the public API does; a
     timed backward reads one search made when its callable is built, as an autograd backward
     reads its forward's (``ops.search_for_backward``)."""
-    from mlarope.kernels import _lookup
+    from mlarope.kernels import lookup
 
     suite, spec, inp, pos = _tiny_thd_case(op, torch.device(device))
     searches = []
-    search = _lookup.search_positions
+    search = lookup.launch_cu_seqlens_search
     monkeypatch.setattr(
-        _lookup, "search_positions", lambda *a, **k: (searches.append(1), search(*a, **k))
+        lookup, "launch_cu_seqlens_search", lambda *a, **k: (searches.append(1), search(*a, **k))
     )
     call = bench.Builders(suite, "default", None).mlarope(spec, inp, pos)
     built = len(searches)

@@ -31,10 +31,10 @@ import triton.language as tl
 
 import mlarope
 from mlarope import reference
-from mlarope._checks import Positions
 from mlarope.compat import megatron as mm
 from mlarope.kernels.kv import round_to_16bit
 from mlarope.ops import rope_kv_backward_impl
+from mlarope.positions import Positions
 
 H, N, R = 3, 4, 32  # heads, nope channels, rope channels (mlarope: R in 32, 64, 128)
 K, V = 4, 6  # key-nope and value widths

@@ -27,8 +27,7 @@ import pytest
 import torch
 
 import mlarope
-from mlarope._checks import Positions
-from mlarope.positions import token_positions
+from mlarope.positions import Positions, token_positions
 from tests.cp_worker import (
     CASES,
     Case,

@@ -26,7 +26,6 @@ import torch
 
 import mlarope
 from mlarope import _checks, reference
-from mlarope._checks import Positions
 from mlarope.kernels.kv import (
     KVLaunchConfig,
     choose_kv_backward_config,
@@ -35,6 +34,7 @@ from mlarope.kernels.kv import (
     rope_kv_launch,
 )
 from mlarope.ops import rope_kv_backward_impl
+from mlarope.positions import Positions
 from tests.errmodel import assert_close_elementwise, join_pairs, poisoned_like, rope_tolerance
 
 # ---------------------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import mlarope
 from mlarope import reference
-from mlarope._checks import Positions
 from mlarope.kernels._launch import DirectLauncher, _make_key_function, recording
 from mlarope.kernels.q import rope_q_launch
+from mlarope.positions import Positions
 
 
 def _probe(x_ptr, y_ptr, n, m, BLOCK: tl.constexpr):

@@ -1,4 +1,4 @@
-"""thd positions from ``cu_seqlens``: ``_cu_seqlens_positions_kernel``, launched once per call by
+"""thd positions from ``cu_seqlens``: ``_cu_seqlens_search_kernel``, launched once per call by
 ``position_args``, against the plain-PyTorch spec ``mlarope.positions.token_positions``.
 
 Runs on the ``device`` fixture: CPU tensors under Triton's interpreter in the CPU lane, CUDA in
@@ -13,15 +13,8 @@ import pytest
 import torch
 
 from mlarope import _checks, reference
-from mlarope.kernels._lookup import (
-    _SEARCH_BLOCK,
-    CU_SEQLENS,
-    PADDING_POSITION,
-    position_args,
-    search_steps,
-    searched_positions,
-)
-from mlarope.positions import token_positions
+from mlarope.kernels.lookup import POS_SEARCHED, SEARCH_BLOCK, position_args, search_cu_seqlens
+from mlarope.positions import PADDING_POSITION, Positions, search_steps, token_positions
 from tests.errmodel import join_pairs, split_pairs
 
 CP_RANKS = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
@@ -75,8 +68,8 @@ def kernel_positions(cu: torch.Tensor, n_tokens: int, cp_rank: int, cp_size: int
         cp_size=cp_size,
     )  # fmt: skip
     _checks.check_positions_on_device(positions, n_tokens, TABLE_ROWS)  # a valid call
-    pos_mode, (found, _, _, n_seqs, _, _) = position_args(positions, x, (n_tokens, 1))
-    assert pos_mode == CU_SEQLENS and n_seqs == cu.shape[0] - 1
+    pos_mode, (found, _, _, seq_len, _, _) = position_args(positions, x, (n_tokens, 1))
+    assert pos_mode == POS_SEARCHED.value and seq_len == 0  # searched positions: no length
     assert found.dtype == torch.int64 and found.shape == (n_tokens,)
     assert found.device == x.device
     return positions, found
@@ -114,7 +107,7 @@ def test_case_shapes_reach_the_search_limits():
     for cp_size in (1, 2, 4):
         cu, n_tokens = lookup_case("300-seqs", cp_size)
         assert len(cu) - 1 == 300 and search_steps(300) == 3 and search_steps(256) == 2
-        assert n_tokens > _SEARCH_BLOCK
+        assert n_tokens > SEARCH_BLOCK
         assert lookup_case("no-seqs", cp_size)[0] == [0] and search_steps(0) == 0
         assert search_steps(5) == 1 and search_steps(1) == 0
 
@@ -203,8 +196,8 @@ def test_malformed_cu_seqlens_positions_match_the_spec(device):
         cp_rank = int(torch.randint(0, cp_size, (1,), generator=gen))
         n_tokens = int(torch.randint(1, 70, (1,), generator=gen))
         cu = torch.tensor(cu_list, dtype=dtype, device=device)
-        positions = _checks.Positions("thd", cu, None, cp_rank, cp_size)
-        got = searched_positions(cu, n_tokens, cp_rank, cp_size)
+        positions = Positions("thd", cu, None, cp_rank, cp_size)
+        got = search_cu_seqlens(cu, n_tokens, cp_rank, cp_size)
         want = spec_positions(positions, n_tokens, device)
         assert torch.equal(got, want), (
             f"trial {trial}: cu_seqlens={cu_list} ({dtype}), cp {cp_rank}/{cp_size}, "
@@ -254,15 +247,18 @@ def test_autograd_searches_once_for_forward_and_backward(op, cp_size, cp_rank, d
     launch: autograd runs a CUDA backward on its own thread.)"""
     import mlarope
     from mlarope import ops
-    from mlarope.kernels import _lookup
+    from mlarope.kernels import lookup
     from mlarope.kernels._launch import recording
 
     searches: list[str] = []
     backward_launches: list[int] = []
-    search = _lookup.search_positions
-    monkeypatch.setattr(
-        _lookup, "search_positions", lambda *a, **k: (searches.append(phase), search(*a, **k))
-    )
+    search = lookup.launch_cu_seqlens_search
+
+    def counted(*args, **kwargs):
+        searches.append(phase)
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(lookup, "launch_cu_seqlens_search", counted)
     cu = torch.tensor(cu_from_units([2, 0, 3, 1], cp_size), dtype=torch.int32, device=device)
     n_tokens = int(cu[-1]) // cp_size + 2  # a padded tail
     cos = torch.randn(64, 32, device=device)
@@ -322,5 +318,5 @@ def test_search_for_backward_only_where_the_kernels_search(device):
     if not ops.use_triton(x):  # a CPU lane without the interpreter: the reference searches
         assert found is None
         return
-    expected = position_args(_checks.Positions("thd", cu, None, 0, 1), x, (6, 1))[1][0]
+    expected = position_args(Positions("thd", cu, None, 0, 1), x, (6, 1))[1][0]
     assert found.dtype == torch.int64 and torch.equal(found, expected)

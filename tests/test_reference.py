@@ -32,7 +32,7 @@ import torch
 
 import mlarope
 from mlarope import reference
-from mlarope._checks import Positions
+from mlarope.positions import Positions
 from tests.errmodel import assert_close_elementwise, join_pairs, rope_tolerance, split_pairs
 
 U64 = 2.0**-53

@@ -9,10 +9,11 @@ that need device data (values inside ``cu_seqlens`` and ``position_ids``) live i
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 from torch.autograd import forward_ad as _fwad
+
+from .positions import Positions, token_positions
 
 LAYOUTS = ("sbhd", "bshd", "thd")
 ROPE_DIMS = (32, 64, 128)
@@ -21,24 +22,6 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # Far beyond any context-parallel group, and small enough that no position arithmetic of the
 # kernels (``(t + 1) * cp_size``, ``2 * cp_size - 1 - cp_rank`` in 32 bits) can overflow.
 MAX_CP_SIZE = 2**20
-
-
-@dataclass(frozen=True)
-class Positions:
-    """Where each token's position comes from, normalised for the kernels and the reference.
-
-    ``position_ids`` is already broadcast to the token dims (a view, possibly stride 0).
-    ``searched``: ``[T]`` int64, what the ``cu_seqlens`` search already produced for exactly
-    these ``cu_seqlens``, ``cp_rank`` and ``cp_size`` (an eager forward's, kept for its
-    backward: ``ops.search_for_backward``); the kernels then read it instead of searching again.
-    """
-
-    layout: str
-    cu_seqlens: torch.Tensor | None
-    position_ids: torch.Tensor | None
-    cp_rank: int
-    cp_size: int
-    searched: torch.Tensor | None = None
 
 
 def _fail_type(name: str, value: object, expected: str) -> TypeError:
@@ -312,8 +295,6 @@ def env_validation() -> bool:
 
 def check_positions_on_device(positions: Positions, n_tokens: int, table_rows: int) -> None:
     """The checks that read device data (one sync): positions in range, cu_seqlens well formed."""
-    from .positions import token_positions
-
     cu = positions.cu_seqlens
     cp = positions.cp_size
     if cu is not None:

@@ -521,8 +521,7 @@ class Unsupported(Exception):
 def _ref_q(q, cos, sin, cu, ids, *, layout: str, inplace: bool, transpose: bool):
     """The reference query op (forward, or its transpose for the backward), in place or not."""
     from . import reference
-    from ._checks import Positions
-    from .positions import token_positions
+    from .positions import Positions, token_positions
 
     positions = Positions(layout, cu, ids, 0, 1)
     il_in, il_out = (False, True) if transpose else (True, False)
@@ -545,7 +544,7 @@ def _ref_q(q, cos, sin, cu, ids, *, layout: str, inplace: bool, transpose: bool)
 
 def _ref_kv(kv, k_pe, cos, sin, cu, ids, *, layout: str, k_dim: int, copy_v: bool):
     from . import reference
-    from ._checks import Positions
+    from .positions import Positions
 
     positions = Positions(layout, cu, ids, 0, 1)
     k, v = reference.rope_kv(
@@ -556,7 +555,7 @@ def _ref_kv(kv, k_pe, cos, sin, cu, ids, *, layout: str, k_dim: int, copy_v: boo
 
 def _ref_kv_bwd(dk, dv, cos, sin, cu, ids, *, layout: str, k_dim: int):
     from . import reference
-    from ._checks import Positions
+    from .positions import Positions
 
     positions = Positions(layout, cu, ids, 0, 1)
     return reference.rope_kv_backward(

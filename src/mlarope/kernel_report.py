@@ -94,13 +94,13 @@ def compile_report(fn, pointer_types: dict, constexprs: dict, num_warps: int, na
 def deepseek_v3_reports() -> list[KernelReport]:
     """The kernels with the launch configuration the heuristics pick at DeepSeek-V3 shapes
     (H = 128, N = 128, R = 64, K = V = 128, bf16, fp32 tables)."""
-    from .kernels._lookup import _SEARCH_BLOCK, _SEARCH_WARPS, _cu_seqlens_positions_kernel
     from .kernels.kv import (
         _rope_kv_bwd_kernel,
         _rope_kv_fwd_kernel,
         choose_kv_backward_config,
         choose_kv_config,
     )
+    from .kernels.lookup import SEARCH_BLOCK, SEARCH_WARPS, _cu_seqlens_search_kernel
     from .kernels.q import _rope_q_kernel, choose_q_config
 
     # ids_ptr: the int64 positions the cu_seqlens search kernel writes (thd rows).
@@ -141,8 +141,8 @@ def deepseek_v3_reports() -> list[KernelReport]:
     reports.append(compile_report(_rope_kv_bwd_kernel, bwd_ptrs, consts, bc.num_warps, "kv bwd"))
     reports.append(
         compile_report(
-            _cu_seqlens_positions_kernel, {"cu_ptr": "*i32", "out_ptr": "*i64"},
-            {"BLOCK": _SEARCH_BLOCK}, _SEARCH_WARPS, "thd positions (cu_seqlens search)",
+            _cu_seqlens_search_kernel, {"cu_ptr": "*i32", "out_ptr": "*i64"},
+            {"BLOCK": SEARCH_BLOCK}, SEARCH_WARPS, "thd positions (cu_seqlens search)",
         )
     )  # fmt: skip
     return reports

@@ -22,7 +22,7 @@ from torch._C import _functorch
 from torch.autograd import forward_ad as _fwad
 
 from . import reference
-from ._checks import Positions
+from .positions import Positions
 
 
 def use_triton(t: Tensor) -> bool:
@@ -244,9 +244,9 @@ def search_for_backward(
         return None
     if _functorch.maybe_current_level() is not None:
         return None  # inside a torch.func transform a new tensor is a wrapper: unreadable
-    from .kernels._lookup import searched_positions
+    from .kernels.lookup import search_cu_seqlens
 
-    return searched_positions(cu_seqlens, x.shape[0], cp_rank, cp_size)
+    return search_cu_seqlens(cu_seqlens, x.shape[0], cp_rank, cp_size)
 
 
 # ------------------------------------------------------------------------------- autograd

@@ -1,6 +1,6 @@
 """Each token's rotary position, in plain PyTorch: the spec that the kernels' lookup matches.
 
-Position sources (DESIGN.md, "Positions"):
+Position sources (docs/design.md, "Positions"):
 
 - ``sbhd`` / ``bshd`` / ``thd`` without ``cu_seqlens``: the index along the sequence dim;
 - ``thd`` with ``cu_seqlens`` ``[n + 1]``: ``p = t - cu_local[i]`` for token ``t`` of sequence
@@ -9,7 +9,7 @@ Position sources (DESIGN.md, "Positions"):
   ``2 * cp_size - 1 - cp_rank`` (each ``L / (2 * cp_size)`` long), one after the other;
 - explicit ``position_ids``: taken as they are.
 
-The kernels (``kernels/_lookup.py``) compute the same numbers per token in O(log n). For
+The kernels (``kernels/lookup.py``) compute the same numbers per token in O(log n). For
 ``cu_seqlens`` that are not well formed (not starting at 0, decreasing, negative, a single entry;
 ``validate=True`` rejects them) the result is whatever the kernels' search gives, so
 :func:`cu_seqlens_positions` runs that very search, step by step, with the kernels' integer
@@ -18,13 +18,36 @@ arithmetic (division rounds toward zero, int64 wraps): every backend then writes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ._checks import Positions
+
+@dataclass(frozen=True)
+class Positions:
+    """Where each token's position comes from, checked and normalised (``_checks``) for the
+    kernels and the reference.
+
+    ``layout``: ``"sbhd"``, ``"bshd"`` or ``"thd"``. Exactly one source: ``cu_seqlens`` ``[n + 1]``
+    (thd), ``position_ids`` (already broadcast to the token dims: a view, possibly stride 0), or
+    neither (the index along the sequence dim). ``cp_rank``, ``cp_size``: the load-balanced
+    context-parallel split. ``searched``: ``[T]`` int64, what the ``cu_seqlens`` search already
+    produced for exactly these ``cu_seqlens``, ``cp_rank`` and ``cp_size`` (an eager forward's,
+    kept for its backward: ``ops.search_for_backward``); the kernels then read it instead of
+    searching again.
+    """
+
+    layout: str
+    cu_seqlens: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    cp_rank: int
+    cp_size: int
+    searched: torch.Tensor | None = None
+
 
 # The kernels' marker of a padding token in the searched positions: the int64 minimum.
 PADDING_POSITION = -(2**63)
-SEARCH_FANOUT = 16  # entries of cu_seqlens sampled per search step (kernels/_lookup.py)
+SEARCH_FANOUT = 16  # entries of cu_seqlens sampled per search step (kernels/lookup.py)
 
 
 def search_steps(n_seqs: int, fanout: int = SEARCH_FANOUT) -> int:
@@ -84,7 +107,7 @@ def cu_seqlens_positions(
     positions: Positions, n_tokens: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pos, is_padding)`` of ``n_tokens`` thd tokens from ``positions.cu_seqlens`` ``[n + 1]``:
-    the kernels' search (``kernels/_lookup.py``: ``search_cu_seqlens``), vectorized over tokens.
+    the kernels' search (``kernels/lookup.py``: ``_search_tile``), vectorized over tokens.
 
     For well-formed ``cu_seqlens`` (non-decreasing, from 0) this is ``p = t - cu_local[i]`` with
     ``cu_local[i] <= t < cu_local[i + 1]``, mapped by :func:`global_position`, and padding at or

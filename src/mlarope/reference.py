@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks
-from ._checks import Positions
-from .positions import token_positions
+from .positions import Positions, token_positions
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import reference
-from ._checks import Positions
 from .kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
 from .kernels.q import QLaunchConfig, rope_q_launch
+from .positions import Positions
 from .testing import poisoned_like, rope_tolerance, wrong_elements
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import Positions
-from .kernels._lookup import position_args, search_positions, searched_positions
 from .kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
+from .kernels.lookup import launch_cu_seqlens_search, position_args, search_cu_seqlens
 from .kernels.q import QLaunchConfig, rope_q_launch
+from .positions import Positions
 from .yarn import YarnConfig
 
 HEADS, NOPE, ROPE, K_DIM, V_DIM, TOKENS = 128, 128, 64, 128, 128, 16384
@@ -106,7 +106,7 @@ def _call(op: str, case: str, config, device):
     cfg = KVLaunchConfig(*config) if config else None
     if op == "kv_bwd":
         if positions.cu_seqlens is not None:  # the forward's search, as a backward reads it
-            found = searched_positions(positions.cu_seqlens, TOKENS, 0, 1)
+            found = search_cu_seqlens(positions.cu_seqlens, TOKENS, 0, 1)
             positions = dataclasses.replace(positions, searched=found)
         dk = torch.randn(*tokens, HEADS, K_DIM + ROPE, **bf16)
         dv = torch.randn(*tokens, HEADS, V_DIM, **bf16)
@@ -131,7 +131,7 @@ def search_call(cu: torch.Tensor, n_tokens: int, block: int, warps: int):
     positions) with the given tile; checked against the launch path's output before it is
     timed."""
     found = torch.empty(n_tokens, dtype=torch.int64, device=cu.device)
-    run = lambda: search_positions(cu, found, 0, 1, block, warps)
+    run = lambda: launch_cu_seqlens_search(cu, found, 0, 1, block, warps)
     run()
     expected = position_args(Positions("thd", cu, None, 0, 1), found, (n_tokens, 1))[1][0]
     if not torch.equal(found, expected):

@@ -41,6 +41,11 @@ def tile_grid(n_tokens: int, block_t: int, n_heads: int, block_h: int) -> tuple[
     return (programs,), n_head_blocks
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= ``n`` (1 for ``n <= 1``): tile sizes are powers of 2."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division in plain Python (``triton.cdiv`` goes through Triton's JIT wrapper,
     several microseconds a call on the launch path)."""

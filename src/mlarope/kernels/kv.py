@@ -16,25 +16,18 @@ same bits for every launch configuration.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .._checks import Positions
+from ..positions import Positions
 from ._launch import DirectLauncher
-from ._lookup import (
-    VARYING_INTS,
-    load_table_halves,
-    next_power_of_2,
-    position_args,
-    rotate,
-    token_positions,
-)
-from ._tiles import cdiv, geometry, program_tile, tile_grid
+from ._tiles import cdiv, geometry, next_power_of_2, program_tile, tile_grid
 from ._triton_compat import loop_bound
+from .lookup import VARYING_INTS, position_args, tile_positions
+from .rotation import load_table_halves, rotate, round_to_16bit, transpose_rotate_rounded
 
 
 @triton.jit
@@ -60,7 +53,7 @@ def _rope_kv_fwd_kernel(
     stride_k0, stride_k1, stride_kh,
     stride_v0, stride_v1, stride_vh,
     stride_table,
-    ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size,  # _lookup.position_args
+    ids_ptr, stride_id0, stride_id1, seq_len, cp_rank, cp_size,  # lookup.position_args
     POS_MODE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -87,8 +80,8 @@ def _rope_kv_fwd_kernel(
         c = tl.arange(0, BLOCK_C)[None, None, :]
         m_first = m_row & (c < k_dim)
         k_first = tl.load(kv_ptr + kv_row + c, mask=m_first)
-    pos, is_padding = token_positions(
-        o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size, POS_MODE,
+    pos, is_padding = tile_positions(
+        o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, seq_len, cp_rank, cp_size, POS_MODE,
     )  # fmt: skip
     in_range = (pos >= 0) & (pos < n_rows)
     j = tl.arange(0, HALF)
@@ -173,51 +166,6 @@ def _sum_heads(dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T: tl.cons
     return total
 
 
-@triton.jit
-def round_to_16bit(x, DTYPE: tl.constexpr):
-    """fp32 ``x`` rounded to the nearest ``DTYPE`` value (bf16 or fp16), ties to even, as fp32.
-
-    Integer arithmetic on the bits, not ``x.to(DTYPE).to(tl.float32)``: the compiler folds such
-    a conversion and its inverse into nothing (no rounding at all on sm_90), and Triton's
-    interpreter truncates fp32 -> bf16. bf16 keeps fp32's exponent, so its rounding is the
-    top 16 bits rounded to nearest even, subnormals and overflow to infinity included. fp16:
-    the same with 10 mantissa bits in its normal range; below 2^-14 its values are the multiples
-    of 2^-24, and ``0.75 + x`` lies in [0.5, 1), where fp32's spacing is 2^-24, so that sum
-    rounds ``x`` to the grid (ties to even) and the subtraction is exact (the sign of a zero
-    result is ``x``'s); past 65504 the rounded value is infinite. NaN stays NaN."""
-    bits = x.to(tl.int32, bitcast=True)
-    if DTYPE.is_bf16():
-        rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
-    else:
-        rounded = ((bits + (0xFFF + ((bits >> 13) & 1))) & -8192).to(tl.float32, bitcast=True)
-        tiny = ((x + 0.75) - 0.75).to(tl.int32, bitcast=True) | (bits & -2147483648)  # x's sign
-        rounded = tl.where(tl.abs(x) < 6.103515625e-05, tiny.to(tl.float32, bitcast=True), rounded)
-        infinity = tl.where(x < 0, float("-inf"), float("inf"))
-        rounded = tl.where(tl.abs(rounded) > 65504.0, infinity, rounded)
-    return tl.where(x != x, x, rounded)
-
-
-@triton.jit
-def _transpose_rotate_rounded(g_a, g_b, c_a, c_b, s_a, s_b, is_padding, out_of_range,
-                              DTYPE: tl.constexpr):  # fmt: skip
-    """The backward rotation with Megatron-Core's roundings (``mlarope.compat.megatron``):
-    ``da = rnd(rnd(g_a*c_a) + rnd(g_b*s_b))``, ``db = rnd(rnd(g_b*c_b) - rnd(g_a*s_a))``, ``rnd``
-    rounding to ``DTYPE`` (the gradient's and the tables' 16-bit dtype: ``round_to_16bit``).
-    ``g`` and the tables are ``DTYPE`` values, so each fp32 product is exact and its rounding is
-    the one PyTorch's ``DTYPE`` multiply makes, and an fp32 sum of two ``DTYPE`` values rounded
-    once is PyTorch's ``DTYPE`` addition. The results are ``DTYPE`` values: the store's
-    conversion is exact."""
-    p_ac = round_to_16bit(g_a * c_a, DTYPE)
-    p_bs = round_to_16bit(g_b * s_b, DTYPE)
-    p_bc = round_to_16bit(g_b * c_b, DTYPE)
-    p_as = round_to_16bit(g_a * s_a, DTYPE)
-    d_a = tl.where(is_padding, g_a, round_to_16bit(p_ac + p_bs, DTYPE))
-    d_b = tl.where(is_padding, g_b, round_to_16bit(p_bc - p_as, DTYPE))
-    d_a = tl.where(out_of_range, float("nan"), d_a)
-    d_b = tl.where(out_of_range, float("nan"), d_b)
-    return d_a, d_b
-
-
 @triton.jit(do_not_specialize=VARYING_INTS)
 def _rope_kv_bwd_kernel(
     dk_ptr,  # [D0, D1, H, K + R]
@@ -230,7 +178,7 @@ def _rope_kv_bwd_kernel(
     stride_dv0, stride_dv1, stride_dvh,
     stride_dkv0, stride_dkv1, stride_dkvh,
     stride_table,
-    ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size,  # _lookup.position_args
+    ids_ptr, stride_id0, stride_id1, seq_len, cp_rank, cp_size,  # lookup.position_args
     POS_MODE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -276,8 +224,8 @@ def _rope_kv_bwd_kernel(
         )
         if ROUND_SUM:
             total = round_to_16bit(total, dpe_ptr.dtype.element_ty)
-        pos, is_padding = token_positions(
-            o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size,
+        pos, is_padding = tile_positions(
+            o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, seq_len, cp_rank, cp_size,
             POS_MODE,
         )  # fmt: skip
         in_range = (pos >= 0) & (pos < n_rows)
@@ -290,7 +238,7 @@ def _rope_kv_bwd_kernel(
         else:
             g_a, g_b = tl.split(tl.permute(tl.reshape(total, (BLOCK_T, 2, HALF)), (0, 2, 1)))
         if ROUND_PRODUCTS:
-            d_a, d_b = _transpose_rotate_rounded(
+            d_a, d_b = transpose_rotate_rounded(
                 g_a, g_b, c_a, c_b, s_a, s_b, is_padding[:, None],
                 (~in_range & ~is_padding)[:, None], dpe_ptr.dtype.element_ty,
             )  # fmt: skip
@@ -327,7 +275,6 @@ _TILE_ELEMENTS = 8192
 _FORWARD_TILE_ELEMENTS = 2048
 
 
-@functools.lru_cache(maxsize=1024)
 def choose_kv_config(n_tokens: int, n_heads: int, channels: int) -> KVLaunchConfig:
     """Heuristic launch configuration of the forward (no autotuning).
 
@@ -346,7 +293,6 @@ def choose_kv_config(n_tokens: int, n_heads: int, channels: int) -> KVLaunchConf
     return KVLaunchConfig(block_t, block_h, block_c, num_warps)
 
 
-@functools.lru_cache(maxsize=1024)
 def choose_kv_backward_config(
     n_tokens: int, n_heads: int, channels: int, rope_dim: int
 ) -> KVLaunchConfig:

@@ -7,25 +7,18 @@ stores them once, rounded to the output dtype. Out of place it also copies the n
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .._checks import Positions
+from ..positions import Positions
 from ._launch import DirectLauncher
-from ._lookup import (
-    VARYING_INTS,
-    load_table_halves,
-    next_power_of_2,
-    position_args,
-    rotate,
-    token_positions,
-)
-from ._tiles import geometry, program_tile, tile_grid
+from ._tiles import geometry, next_power_of_2, program_tile, tile_grid
 from ._triton_compat import loop_bound
+from .lookup import POS_SEARCHED, VARYING_INTS, position_args, tile_positions
+from .rotation import load_table_halves, rotate
 
 
 @triton.jit
@@ -59,10 +52,10 @@ def _rope_q_kernel(
     stride_x0, stride_x1, stride_xh,
     stride_o0, stride_o1, stride_oh,
     stride_table,
-    # where positions come from (_lookup.position_args)
+    # where positions come from (lookup.position_args)
     ids_ptr,  # position_ids [D0, D1] with strides, or [T] precomputed positions (thd cu_seqlens)
     stride_id0, stride_id1,
-    n_seqs,
+    seq_len,
     cp_rank,
     cp_size,
     POS_MODE: tl.constexpr,
@@ -93,20 +86,20 @@ def _rope_q_kernel(
     jj = j[None, None, :]
     m_pair = m_row & (jj < HALF)
 
-    pos, is_padding = token_positions(
-        o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, n_seqs, cp_rank, cp_size, POS_MODE,
+    pos, is_padding = tile_positions(
+        o_t, i0, i1, m_t, ids_ptr, stride_id0, stride_id1, seq_len, cp_rank, cp_size, POS_MODE,
     )  # fmt: skip
     # Load order, measured on the H200 (docs/perf_log.md, v6): where positions are loaded
     # (thd, position_ids) the tile's loads go out first, while the position is in flight;
     # where they are computed from indices (sbhd, bshd) the table rows go first.
     x_rope = x_ptr + x_row + n_nope
-    if POS_MODE >= 2:
+    if POS_MODE >= POS_SEARCHED:  # POS_SEARCHED, POS_IDS: positions are loaded
         a, b = _load_pairs(x_rope, m_row, jj, BLOCK_T, BLOCK_H, HALF, INTERLEAVED_IN)
     in_range = (pos >= 0) & (pos < n_rows)
     c_a, c_b, s_a, s_b = load_table_halves(
         cos_ptr, sin_ptr, pos, m_t & in_range & ~is_padding, stride_table, j, HALF
     )
-    if POS_MODE < 2:
+    if POS_MODE < POS_SEARCHED:
         a, b = _load_pairs(x_rope, m_row, jj, BLOCK_T, BLOCK_H, HALF, INTERLEAVED_IN)
 
     out_a, out_b = rotate(
@@ -162,7 +155,6 @@ _TILE_ELEMENTS = 8192
 _INPLACE_TILE_ELEMENTS = 1024
 
 
-@functools.lru_cache(maxsize=1024)
 def choose_q_config(
     n_tokens: int, n_heads: int, n_nope: int, rope_dim: int, inplace: bool = False
 ) -> QLaunchConfig:
