@@ -1,5 +1,5 @@
-"""The error contract (DESIGN.md): bad input to the public API raises ``ValueError``/``TypeError``
-whose message names the argument and the value.
+"""The error contract (docs/design.md): bad input to the public API raises ``ValueError`` or
+``TypeError`` whose message names the argument and the value.
 
 Every case below changes one thing in a call that is otherwise valid (``test_valid_baseline``
 proves the baseline passes), and asserts the exception type and substrings naming the argument

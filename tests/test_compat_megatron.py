@@ -33,7 +33,7 @@ import mlarope
 from mlarope import reference
 from mlarope.compat import megatron as mm
 from mlarope.kernels.kv import round_to_16bit
-from mlarope.ops import rope_kv_backward_impl
+from mlarope.ops import KVCall, rope_kv_backward
 from mlarope.positions import Positions
 
 H, N, R = 3, 4, 32  # heads, nope channels, rope channels (mlarope: R in 32, 64, 128)
@@ -497,7 +497,7 @@ def test_reference_backend_rounds_as_megatron(ril, layout, dtype):
 @pytest.mark.parametrize("ril", [False, True])
 def test_kernel_rounds_as_the_reference(ril, layout, dtype, device):
     """The key/value backward kernel with Megatron's rounding equals the PyTorch reference's
-    bit for bit (``ops.rope_kv_backward_impl``, the flag both backends share), on every lane.
+    bit for bit (``ops.rope_kv_backward``, the flag both backends share), on every lane.
     (On the H200 this failed in up to 24 ulps while the kernel rounded with
     ``x.to(fp16).to(fp32)``, which the compiler folded away; ``round_to_16bit`` rounds with
     integer arithmetic.)"""
@@ -507,8 +507,9 @@ def test_kernel_rounds_as_the_reference(ril, layout, dtype, device):
     dv = randn(*tokens, H, V, dtype=dtype, seed=43, device=device)
     cu = cu_arg(layout, device)
     cp_rank, cp_size = (0, 1) if layout == "sbhd" else (1, 2)
-    args = (cu, None, layout, cp_rank, cp_size, K, True, ril, None, True)
-    dkv, dkpe = rope_kv_backward_impl(dk, dv, cos.view(P, R), sin.view(P, R), *args)
+    call = KVCall(cos.view(P, R), sin.view(P, R), cu, None, None, layout, cp_rank, cp_size, K,
+                  True, ril, True, True)  # fmt: skip
+    dkv, dkpe = rope_kv_backward(dk, dv, call)
     tables = (cos.view(P, R).cpu(), sin.view(P, R).cpu())
     kw = dict(k_dim=K, interleaved_in=True, interleaved_out=ril, megatron_rounding=True)
     positions = Positions(layout, None if cu is None else cu.cpu(), None, cp_rank, cp_size)

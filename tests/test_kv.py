@@ -5,7 +5,7 @@ the GPU lane (which adds the ``gpu``-marked tests). The launchers are called dir
 NaN-poisoned outputs, so an element the kernels never write fails; the public API and autograd
 are checked against the launchers bit for bit.
 
-What is compared, element by element (DESIGN.md's error model, ``tests/errmodel.py``):
+What is compared, element by element (the error model (docs/design.md), ``tests/errmodel.py``):
 
 - forward ``k[..., :K]`` and ``v``: exact copies of ``kv``;
 - forward ``k[..., K:]``: the rotated ``k_pe``, within the rotation tolerance;
@@ -33,7 +33,7 @@ from mlarope.kernels.kv import (
     rope_kv_backward_launch,
     rope_kv_launch,
 )
-from mlarope.ops import rope_kv_backward_impl
+from mlarope.ops import KVCall, rope_kv_backward
 from mlarope.positions import Positions
 from tests.errmodel import assert_close_elementwise, join_pairs, poisoned_like, rope_tolerance
 
@@ -1033,7 +1033,7 @@ def test_torch_compile_fullgraph_matches_eager(copy_v, device):
 )
 def test_gpu_correct_rounding_and_cuda_graph(dtype, min_fraction, device):
     """On CUDA the rotated ``k`` channels are the round-to-nearest of the fp64 value in at least
-    99.99% (bf16) / 99.9% (fp16) of elements (DESIGN.md), the rest within the error model; and
+    99.99% (bf16) / 99.9% (fp16) of elements (docs/design.md), the rest within the error model; and
     forward and backward replay from a captured CUDA graph with the same bits as eager."""
     if device.type != "cuda":
         pytest.skip("needs CUDA")
@@ -1072,13 +1072,13 @@ def test_gpu_correct_rounding_and_cuda_graph(dtype, min_fraction, device):
     dv = torch.randn(n_tokens, heads, v_dim, device=device).to(dtype)
     static_dk, static_dv = dk.clone(), dv.clone()
 
+    backward_call = KVCall(cos, sin, None, None, None, "thd", 0, 1, k_dim, True, False, True, False)
+
     def body():
         out_k, out_v = mlarope.apply_rope_kv(
             static_kv, static_pe, cos, sin, k_dim=k_dim, layout="thd"
         )
-        dkv, dk_pe = rope_kv_backward_impl(
-            static_dk, static_dv, cos, sin, None, None, "thd", 0, 1, k_dim, True, False
-        )
+        dkv, dk_pe = rope_kv_backward(static_dk, static_dv, backward_call)
         return out_k, out_v, dkv, dk_pe
 
     stream = torch.cuda.Stream()
@@ -1101,9 +1101,7 @@ def test_gpu_correct_rounding_and_cuda_graph(dtype, min_fraction, device):
     torch.cuda.synchronize()
     eager_k, eager_v = mlarope.apply_rope_kv(new_kv, new_pe, cos, sin, k_dim=k_dim, layout="thd")
 
-    eager_dkv, eager_dpe = rope_kv_backward_impl(
-        new_dk, dv, cos, sin, None, None, "thd", 0, 1, k_dim, True, False
-    )
+    eager_dkv, eager_dpe = rope_kv_backward(new_dk, dv, backward_call)
     for name, got_t, want in zip(
         ("k", "v", "dkv", "dk_pe"), outs, (eager_k, eager_v, eager_dkv, eager_dpe), strict=True
     ):

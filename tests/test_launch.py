@@ -117,8 +117,8 @@ def test_direct_launch_misaligned_views(device):
         truth = reference.apply_rope_q(
             q.double(), cos.double(), sin.double(), layout="thd", position_ids=ids
         )
-        # One rounding of the fp64 truth to bf16 (DESIGN.md error model): within half an ulp,
-        # plus fp32 arithmetic, which the bound 2**-8 relative covers with room.
+        # One rounding of the fp64 truth to bf16 (the error model, docs/design.md): within half
+        # an ulp, plus fp32 arithmetic, which the bound 2**-8 relative covers with room.
         torch.testing.assert_close(out.double(), truth, rtol=2**-8, atol=1e-6)
 
 

@@ -246,7 +246,7 @@ def test_autograd_searches_once_for_forward_and_backward(op, cp_size, cp_rank, d
     same bits as a backward that searches again. (Searches are counted by wrapping the search
     launch: autograd runs a CUDA backward on its own thread.)"""
     import mlarope
-    from mlarope import ops
+    from mlarope import autograd
     from mlarope.kernels import lookup
     from mlarope.kernels._launch import recording
 
@@ -295,7 +295,7 @@ def test_autograd_searches_once_for_forward_and_backward(op, cp_size, cp_rank, d
     grads = run()
     assert searches == ["forward"], "the backward reads the forward's positions"
     searches.clear()
-    monkeypatch.setattr(ops, "search_for_backward", lambda *args: None)
+    monkeypatch.setattr(autograd, "search_for_backward", lambda x, call: call)
     torch.manual_seed(1)
     again = run()
     assert searches == ["forward", "backward"], "without them each direction searches"
@@ -311,10 +311,16 @@ def test_search_for_backward_only_where_the_kernels_search(device):
 
     cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
     x = torch.randn(6, 2, 48, device=device)
-    assert ops.search_for_backward(x, None, 0, 1) is None
-    assert ops.search_for_backward(x[:0], cu, 0, 1) is None
-    assert ops.search_for_backward(x.double(), cu, 0, 1) is None
-    found = ops.search_for_backward(x, cu, 0, 1)
+    cos = torch.randn(8, 32, device=device)
+
+    def call(cu_seqlens):
+        return ops.QueryCall(cos, cos, cu_seqlens, None, None, "thd", 0, 1, True, False, False,
+                             False)  # fmt: skip
+
+    assert ops.search_for_backward(x, call(None)).searched is None
+    assert ops.search_for_backward(x[:0], call(cu)).searched is None
+    assert ops.search_for_backward(x.double(), call(cu)).searched is None
+    found = ops.search_for_backward(x, call(cu)).searched
     if not ops.use_triton(x):  # a CPU lane without the interpreter: the reference searches
         assert found is None
         return

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import mlarope
-from mlarope import _plans, reference
+from mlarope import _plans, api, reference
+from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
 
 T, H, N, R, P = 6, 3, 16, 32, 64
 K, V = 16, 8
@@ -22,13 +23,13 @@ def _fresh_plans(request, monkeypatch):
     """Every test runs with the C++ metadata guard and with the Python fallback."""
     if request.param == "python":
         monkeypatch.setattr(_plans, "_TensorGuards", None)
-    _plans.plans.clear()
+    clear_launch_cache()
     yield
-    _plans.plans.clear()
+    clear_launch_cache()
 
 
 def recorded_plans() -> list:
-    return [plan for entries in _plans.plans.values() for _, plan in entries]
+    return [plan for entries in LAUNCH_CACHE.plans.values() for _, plan in entries]
 
 
 def tables(device, rows=P):
@@ -41,7 +42,7 @@ def q_truth(q, cos, sin, **kw):
 
 
 def assert_rotated(out, truth):
-    # fp32 inputs and tables: one fp32 rounding of a two-term sum (DESIGN.md error model).
+    # fp32 inputs and tables: one fp32 rounding of a two-term sum (the error model, docs/design.md).
     torch.testing.assert_close(out.double(), truth, rtol=1e-6, atol=1e-6)
 
 
@@ -50,18 +51,14 @@ class PipelineCalls:
 
     def __init__(self, monkeypatch):
         self.q = self.kv = 0
-        for name, op in (
-            ("rope_q_impl", "q"),
-            ("rope_q_inplace_impl", "q"),
-            ("rope_kv_impl", "kv"),
-        ):
-            real = getattr(mlarope, name)
+        for name, op in (("rope_q", "q"), ("rope_q_", "q"), ("rope_kv", "kv")):
+            real = getattr(api, name)
 
             def counted(*a, _real=real, _op=op, **k):
                 setattr(self, _op, getattr(self, _op) + 1)
                 return _real(*a, **k)
 
-            monkeypatch.setattr(mlarope, name, counted)
+            monkeypatch.setattr(api, name, counted)
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -173,7 +170,7 @@ def test_aliased_tables(device):
     ids = torch.randint(0, P, (T,), device=device)
     kw = dict(layout="thd", position_ids=ids)
     for first, second in (((cos, sin), (cos, cos)), ((sin, sin), (cos, sin))):
-        _plans.plans.clear()
+        clear_launch_cache()
         q = torch.randn(T, H, N + R, device=device)
         mlarope.apply_rope_q(q, *first, **kw)
         assert_rotated(mlarope.apply_rope_q(q, *second, **kw), q_truth(q, *second, **kw))
@@ -228,7 +225,7 @@ def test_guard_tells_metadata_apart(device, monkeypatch):
         q = torch.randn(T, H, N + R, device=device)
         assert_rotated(mlarope.apply_rope_q(q, c, s, **kw), q_truth(q, c, s, **kw))
     assert calls.q == 3, "three distinct metadata, each through the pipeline once"
-    assert len(_plans.plans) == 1 and len(recorded_plans()) == 3
+    assert len(LAUNCH_CACHE.plans) == 1 and len(recorded_plans()) == 3
 
 
 # ----------------------------------------------------- found by review: calls a plan must not take

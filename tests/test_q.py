@@ -1,7 +1,7 @@
 """The query op's Triton kernels against the fp64 reference, over the issue's matrix.
 
 Runs on the ``device`` fixture: CPU tensors under Triton's interpreter in the CPU lane, CUDA in
-the GPU lane. Every rotated element is held to DESIGN.md's error model (tests/errmodel.py);
+the GPU lane. Every rotated element is held to the error model (docs/design.md) (tests/errmodel.py);
 copied channels must be exact; outputs are poisoned with NaN first so an unwritten element fails.
 """
 
@@ -338,7 +338,7 @@ def test_q_inplace_backward_falls_back_for_gradients_it_cannot_own(how, device):
 def test_q_inplace_backward_dense_test():
     """``_grad_rotatable_in_place``: dense and non-overlapping in any dim order, not a graph
     tensor."""
-    from mlarope.ops import _grad_rotatable_in_place
+    from mlarope.autograd import _grad_rotatable_in_place
 
     x = torch.zeros(4, 3, 8)
     assert _grad_rotatable_in_place(x)

@@ -7,7 +7,8 @@ Oracles, each independent of ``mlarope``:
 - complex multiplication in float64: the pair ``(a, b)`` is ``z = a + i b``, and the rotation by
   angle ``theta`` with attention factor ``m`` is ``z * m * exp(i theta)`` (``inverse``: the
   conjugate), for tables ``cos = m cos(cat(theta, theta))``, ``sin = m sin(cat(theta, theta))``;
-- general tables (``c[j] != c[half + j]``): DESIGN.md's formulas restated as a per-element loop;
+- general tables (``c[j] != c[half + j]``): the formulas of docs/design.md restated as a
+  per-element loop;
 - ``torch.autograd.gradcheck`` in float64 (fast mode: random projections of the numerical
   Jacobian) for the backward, through the reference's autograd and the hand-written one;
 - the load-balanced context-parallel split built chunk by chunk from the full sequence (also
@@ -74,7 +75,7 @@ def token_shape(layout: str, seq: int = S, batch: int = B, tokens: int = T) -> t
 def explicit_positions(layout: str, shape: tuple[int, ...], cu: list[int] | None = None):
     """Position of every token (``None`` for thd padding), as a nested list of ``shape``.
 
-    Written from DESIGN.md without ``mlarope.positions``: the index along S, or ``t - cu[i]``.
+    Written from docs/design.md without ``mlarope.positions``: the index along S, or ``t - cu[i]``.
     """
     if layout == "sbhd":
         return [[s for _ in range(shape[1])] for s in range(shape[0])]
@@ -207,12 +208,12 @@ def test_kv_matches_complex_multiplication(layout, k_pe_rank, interleaved, inter
 
 
 # ---------------------------------------------------------------------------------------------
-# general tables: DESIGN.md's formulas, element by element
+# general tables: the formulas of docs/design.md, element by element
 # ---------------------------------------------------------------------------------------------
 
 
 def loop_rotate(x, c, s, pos, *, interleaved_in, interleaved_out, inverse, transpose=False):
-    """DESIGN.md per element. ``x: [T, H, R]`` list-of-lists, ``c, s: [P][R]``, ``pos: [T]``.
+    """docs/design.md per element. ``x: [T, H, R]`` list-of-lists, ``c, s: [P][R]``, ``pos: [T]``.
 
     Forward ``out_a = a c[j] - b s[j]``, ``out_b = b c[h+j] + a s[h+j]``; backward (transpose)
     ``da = ga c[j] + gb s[h+j]``, ``db = -ga s[j] + gb c[h+j]``; ``inverse`` negates s; padding
@@ -277,7 +278,7 @@ def test_q_general_tables_loop(layout, interleaved, interleaved_out, inverse):
     assert_fp64_close(flatten_tokens(out.detach()[..., N:], layout), truth, tol, "forward")
     assert torch.equal(out[..., :N], q[..., :N])
 
-    # The public float64 path: same forward, and DESIGN.md's backward formula per element.
+    # The public float64 path: same forward, and the backward formula of docs/design.md per element.
     q2 = q.detach().clone().requires_grad_(True)
     out2 = mlarope.apply_rope_q(q2, cos, sin, inverse=inverse, **kw, **thd_kwargs(layout))
     assert torch.equal(out2, out)
@@ -334,7 +335,7 @@ def test_kv_general_tables_loop(layout, interleaved, interleaved_out):
 
 # ---------------------------------------------------------------------------------------------
 # gradcheck in float64: the reference (autograd through torch ops) and the public API (the
-# hand-written backward, RopeQFunction / RopeKVFunction with transpose=True)
+# hand-written backward, the autograd functions of mlarope.autograd, with transpose=True)
 # ---------------------------------------------------------------------------------------------
 
 GRAD_CASES = [

@@ -1,6 +1,7 @@
-"""mlarope: fused, race-free, deterministic rotary position embedding for MLA (DeepSeek-V2/V3).
+"""mlarope: fused, race-free, deterministic rotary position embedding for Multi-head Latent
+Attention (DeepSeek-V2/V3 and their kin), in PyTorch and Triton.
 
-Public API (see DESIGN.md and docs/):
+Public API (docs/design.md, README.md):
 
 - :class:`YarnConfig`: RoPE / YaRN tables, exact to fp32 rounding;
 - :func:`apply_rope_q`: rotate the rope tail of queries ``[..., H, N + R]``;
@@ -10,197 +11,17 @@ Public API (see DESIGN.md and docs/):
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
-
-from . import _checks, _plans, reference
-from .ops import (
-    needs_autograd,
-    rope_kv_differentiable,
-    rope_kv_impl,
-    rope_q_differentiable,
-    rope_q_impl,
-    rope_q_inplace_impl,
-    use_triton,
-)
+from . import reference
+from ._checks import ROPE_DIMS as SUPPORTED_ROPE_DIMS
+from .api import apply_rope_kv, apply_rope_q
 from .yarn import YarnConfig
 
-__all__ = ["YarnConfig", "__version__", "apply_rope_kv", "apply_rope_q", "reference"]
+__all__ = [
+    "SUPPORTED_ROPE_DIMS",
+    "YarnConfig",
+    "__version__",
+    "apply_rope_kv",
+    "apply_rope_q",
+    "reference",
+]
 __version__ = "0.1.0"
-
-
-def apply_rope_q(
-    q: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    layout: str = "sbhd",
-    cu_seqlens: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    interleaved: bool = True,
-    interleaved_out: bool = False,
-    inverse: bool = False,
-    inplace: bool = False,
-    inplace_backward: bool = False,
-    validate: bool = False,
-) -> torch.Tensor:
-    """Rotate the rope channels of the queries (MLA query op).
-
-    Args:
-        q: ``[S, B, H, N + R]`` (sbhd), ``[B, S, H, N + R]`` (bshd) or ``[T, H, N + R]`` (thd);
-            last dim contiguous, any strides elsewhere. The rope channels are ``q[..., N:]``.
-        cos, sin: ``[P, R]`` tables (singleton dims such as ``[P, 1, 1, R]`` accepted), fp32
-            preferred; ``R`` in (32, 64, 128).
-        layout: ``"sbhd"``, ``"bshd"`` or ``"thd"``.
-        cu_seqlens: ``[n + 1]`` int32/int64 (thd only): token ``t`` of sequence ``i`` has position
-            ``t - cu_seqlens[i]``; tokens at or past ``cu_seqlens[-1]`` are padding (unrotated).
-            Under context parallelism these are the global lengths.
-        position_ids: int tensor of the token dims (or broadcastable to them).
-        cp_rank, cp_size: context parallel rank and size (load-balanced split: rank ``r`` holds
-            chunks ``r`` and ``2 * cp_size - 1 - r`` of every sequence).
-        interleaved: input pairs are ``(x[2j], x[2j+1])`` (True) or ``(x[j], x[half+j])``.
-        interleaved_out: write the pairs interleaved (True) or half-split (False, default).
-        inverse: rotate by the opposite angle.
-        inplace: overwrite the rope channels of ``q`` and return ``q`` (declared to autograd).
-        inplace_backward: the backward rotates the rope channels of the incoming gradient in
-            place and returns that tensor as ``q``'s gradient, as Megatron-Core does: it moves
-            ``2 R`` instead of ``2 (N + R)`` elements per row. Only safe when no other op holds
-            that gradient (``q`` feeds one attention kernel); wrong when the output also feeds,
-            say, an addition, whose backward hands the same tensor to both branches, when a
-            hook keeps the gradient, or when you pass your own ``gradient`` (or a tensor it is
-            a slice of, as ``torch.cat``'s backward hands out) and use it afterwards. Falls back
-            to out of place for a broadcast, overlapping or inference-mode gradient, for double
-            backward and when compiling.
-            Default False: the backward writes a new tensor (docs/semantics.md).
-        validate: check device data (positions against the table, ``cu_seqlens`` well formed),
-            raising ``ValueError``; costs a device sync. Also on with ``MLAROPE_VALIDATE=1``.
-            Without it an out-of-range row comes out as NaN.
-
-    Differentiable to any order in ``q`` (backward, double backward, forward-mode AD,
-    ``torch.func``), in place or not. The tables are constants: a ``cos`` or ``sin`` that
-    requires grad raises ``ValueError`` (pass ``cos.detach()``).
-
-    Returns:
-        ``[..., H, N + R]``: a new tensor, or ``q`` itself when ``inplace``.
-    """
-    signature = _plans.query_signature(
-        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
-        interleaved_out, inverse, inplace, inplace_backward, validate,
-    )  # fmt: skip
-    plan = _plans.find(signature)
-    if plan.__class__ is _plans.Plan:  # a repeated eager call (_plans)
-        outputs = plan(signature[1])
-        if inplace:
-            torch.autograd.graph.increment_version(q)
-            return q
-        return outputs[0]
-
-    q, cos2d, sin2d, positions = _checks.check_q_call(
-        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size,
-        interleaved, interleaved_out, inverse,
-    )  # fmt: skip
-    if _checks.check_bool("inplace", inplace):
-        _checks.check_inplace_target("q", q)
-    _checks.check_bool("inplace_backward", inplace_backward)
-    if _checks.validation_requested(validate):
-        _checks.check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])
-    args = (
-        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, positions.layout,
-        positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse,
-    )  # fmt: skip
-    if torch.compiler.is_compiling() or needs_autograd(q):
-        return rope_q_differentiable(q, *args, inplace, inplace_backward)
-    with _recording(signature if plan is _plans.MISSING else None) as launches:
-        if inplace:
-            rope_q_inplace_impl(q, *args, False)
-            outputs = ()
-        else:
-            outputs = (rope_q_impl(q, *args, False),)
-    if launches is not None:
-        _plans.record(*signature, outputs, launches)
-    if inplace:
-        torch.autograd.graph.increment_version(q)
-        return q
-    return outputs[0]
-
-
-def apply_rope_kv(
-    kv: torch.Tensor,
-    k_pe: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    k_dim: int,
-    layout: str = "sbhd",
-    cu_seqlens: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    interleaved: bool = True,
-    interleaved_out: bool = False,
-    copy_v: bool = True,
-    validate: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split ``kv`` and attach the rotated shared positional key to every head (MLA kv op).
-
-    Args:
-        kv: ``[..., H, K + V]`` in the layout's token dims (see :func:`apply_rope_q`).
-        k_pe: ``[..., 1, R]`` or ``[..., R]``, the positional key shared by all heads; same
-            dtype, device and token dims as ``kv``.
-        cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
-            interleaved_out, validate: as in :func:`apply_rope_q` (interleaving refers to
-            ``k_pe``).
-        k_dim: ``K``, the non-positional key channels at the front of ``kv``.
-        copy_v: return ``v`` as a new contiguous tensor (True) or as the strided view
-            ``kv[..., K:]`` (False), which saves writing ``V`` channels per head.
-
-    Differentiable to any order in ``kv`` and ``k_pe``, as :func:`apply_rope_q` in ``q``.
-
-    Returns:
-        ``k: [..., H, K + R]`` (``kv[..., :K]`` then the rotated ``k_pe``) and ``v: [..., H, V]``.
-    """
-    signature = _plans.kv_signature(
-        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
-        interleaved, interleaved_out, copy_v, validate,
-    )  # fmt: skip
-    plan = _plans.find(signature)
-    if plan.__class__ is _plans.Plan:  # a repeated eager call (_plans)
-        outputs = plan(signature[1])
-        return outputs[0], (outputs[1] if copy_v else kv[..., k_dim:])
-
-    kv, k_pe, k_dim, cos2d, sin2d, positions = _checks.check_kv_call(
-        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
-        interleaved, interleaved_out,
-    )  # fmt: skip
-    _checks.check_bool("copy_v", copy_v)
-    if _checks.validation_requested(validate):
-        _checks.check_positions_on_device(positions, _n_tokens(kv), cos2d.shape[0])
-    args = (
-        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, positions.layout,
-        positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v,
-    )  # fmt: skip
-    if torch.compiler.is_compiling() or needs_autograd(kv, k_pe):
-        return rope_kv_differentiable(kv, k_pe, *args)
-    with _recording(signature if plan is _plans.MISSING else None) as launches:
-        k, v = rope_kv_impl(kv, k_pe, *args)
-    if launches is not None:
-        _plans.record(*signature, (k, v) if copy_v else (k,), launches)
-    return k, (v if copy_v else kv[..., k_dim:])
-
-
-def _recording(signature: tuple | None):
-    """Note the pipeline's launches when this call is to get a plan (``signature`` given) and
-    will launch a kernel; else do nothing (the PyTorch backend launches nothing, and triton
-    stays unimported)."""
-    if signature is None or not use_triton(signature[1][0]):
-        return contextlib.nullcontext()
-    from .kernels._launch import recording
-
-    return recording()
-
-
-def _n_tokens(x: torch.Tensor) -> int:
-    return x.shape[0] if x.dim() == 3 else x.shape[0] * x.shape[1]

@@ -32,13 +32,15 @@ always take the pipeline.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import is_grad_enabled as _is_grad_enabled
 from torch.autograd import forward_ad as _fwad
 
 from ._checks import env_validation
+from ._launch_cache import LAUNCH_CACHE
+from .ops import use_triton
 
 if TYPE_CHECKING:  # kernels import triton, which stays unimported until a kernel is needed
     from .kernels._launch import Launch
@@ -48,12 +50,17 @@ try:
 except ImportError:  # pragma: no cover - present in every torch this package supports
     _TensorGuards = None
 
-MISSING = object()  # no recorded call matches (a recorded call without a plan gives None)
-_MAX_KEYS = 1024  # distinct keys kept before the cache starts over
 _MAX_PER_KEY = 8  # guarded entries per key (same shape of the first tensor, other metadata)
+_MISSING = object()  # no recorded call matches (a recorded call without a plan gives None)
 
-# key -> [(guard, plan or None), ...]; guard(*tensors) is True for the recorded metadata.
-plans: dict[tuple, list] = {}
+
+class Signature(NamedTuple):
+    """What a call's plan is found by: ``key`` (flags, integers, the first tensor's shape,
+    alignments, device, grad mode) and the ``tensors`` whose metadata each entry's guard
+    checks."""
+
+    key: tuple
+    tensors: tuple
 
 
 class Plan:
@@ -104,8 +111,8 @@ def _plain_call(
 def query_signature(
     q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
     interleaved_out, inverse, inplace, inplace_backward, validate,
-) -> tuple[tuple, tuple] | None:  # fmt: skip
-    """``(key, tensors)`` of an ``apply_rope_q`` call, or None if it cannot have a plan: only plain
+) -> Signature | None:  # fmt: skip
+    """The signature of an ``apply_rope_q`` call, or None if it cannot have a plan: only plain
     eager calls get one (no validation, no autograd, no compile tracing; plain tensors)."""
     if (
         not _plain_call(
@@ -125,14 +132,14 @@ def query_signature(
         "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace,
         len(tensors), q.shape, alignment, _device_key(q), grad_mode,
     )  # fmt: skip
-    return key, tensors
+    return Signature(key, tensors)
 
 
 def kv_signature(
     kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
     interleaved_out, copy_v, validate,
-) -> tuple[tuple, tuple] | None:  # fmt: skip
-    """``(key, tensors)`` of an ``apply_rope_kv`` call, or None if it cannot have a plan."""
+) -> Signature | None:  # fmt: skip
+    """The signature of an ``apply_rope_kv`` call, or None if it cannot have a plan."""
     if (
         not _plain_call(
             layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
@@ -150,7 +157,7 @@ def kv_signature(
         "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v,
         len(tensors), kv.shape, alignment, _device_key(kv), grad_mode,
     )  # fmt: skip
-    return key, tensors
+    return Signature(key, tensors)
 
 
 def _alignment(tensors: tuple) -> int | None:
@@ -177,31 +184,65 @@ def _device_key(t: torch.Tensor):
     return ("cpu", os.environ.get("TRITON_INTERPRET"))
 
 
-def find(signature: tuple[tuple, tuple] | None):
-    """The plan recorded for a call with this signature: a Plan; None where the call cannot
-    have one or was recorded without one; MISSING where it is to be recorded."""
+def find(signature: Signature | None) -> Plan | None:
+    """The plan recorded for a call with this signature, or None: the call cannot have one,
+    was recorded without one, or is yet to be recorded (:func:`recorder`)."""
     if signature is None:
         return None
+    entry = _entry(signature)
+    return None if entry is _MISSING else entry
+
+
+def _entry(signature: Signature):
+    """The recorded entry matching ``signature``: a Plan, None (recorded without a plan), or
+    ``_MISSING``."""
     key, tensors = signature
-    for guard, plan in plans.get(key, ()):
+    for guard, plan in LAUNCH_CACHE.plans.get(key, ()):
         if guard(*tensors):
             return plan
-    return MISSING
+    return _MISSING
 
 
-def record(
-    key: tuple,
-    tensors: tuple[torch.Tensor, ...],
-    outputs: tuple[torch.Tensor, ...],
-    launches: list[tuple[Launch, tuple]],
-) -> None:
-    """Store the plan of this call from the pipeline's launches, or None where it has none."""
-    if len(plans) >= _MAX_KEYS:
-        plans.clear()
-    entries = plans.setdefault(key, [])
-    if len(entries) >= _MAX_PER_KEY:
-        del entries[0]
-    entries.append((_guard(tensors), _plan_from(tensors, outputs, launches)))
+def recorder(signature: Signature | None, x: torch.Tensor) -> _Recorder:
+    """``with recorder(signature, x) as record: ... record(outputs)``: note the launches the
+    pipeline makes inside the block, and store the plan they give (or that they give none)
+    when the block ends without an exception. Nothing is noted for a call that cannot have a
+    plan (``signature`` None), one already recorded, or one that will launch no kernel (``x``,
+    its first tensor, runs the PyTorch backend: triton stays unimported)."""
+    return _Recorder(signature, x)
+
+
+class _Recorder:
+    __slots__ = ("_launches", "_outputs", "_recording", "_signature")
+
+    def __init__(self, signature: Signature | None, x: torch.Tensor):
+        active = signature is not None and use_triton(x) and _entry(signature) is _MISSING
+        self._signature = signature if active else None
+        self._outputs = None
+        self._recording = None
+
+    def __enter__(self):
+        if self._signature is not None:
+            from .kernels._launch import recording
+
+            self._recording = recording()
+            self._launches = self._recording.__enter__()
+        return self._record
+
+    def _record(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        self._outputs = outputs
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._recording is None:
+            return
+        self._recording.__exit__(exc_type, exc, tb)
+        if exc_type is None and self._outputs is not None:
+            key, tensors = self._signature
+            entries = LAUNCH_CACHE.plan_entries(key)
+            if len(entries) >= _MAX_PER_KEY:
+                del entries[0]
+            plan = _plan_from(tensors, self._outputs, self._launches)
+            entries.append((_guard(tensors), plan))
 
 
 def _guard(tensors: tuple[torch.Tensor, ...]):

@@ -5,9 +5,9 @@ bf16), every case x op x implementation:
 
 - the ceiling: a device-to-device copy of a large bf16 tensor (bytes = read + write);
 - ``mlarope``: the public API for the forwards, the op-level backward functions of
-  :mod:`mlarope.ops` for the backwards (``rope_q_impl`` / ``rope_q_inplace_impl`` with
+  :mod:`mlarope.ops` for the backwards (``rope_q`` / ``rope_q_`` with
   ``transpose=True``, the latter what ``inplace_backward=True`` runs;
-  ``rope_kv_backward_impl``), so only the kernel is timed;
+  ``rope_kv_backward``), so only the kernel is timed;
 - ``reference``: :mod:`mlarope.reference` in eager mode (its forward, and its hand-written
   transpose for the backward: the same functions the CPU backend runs);
 - ``compile``: the same reference functions under ``torch.compile``;
@@ -588,22 +588,29 @@ class Builders:
             return lambda: mlarope.apply_rope_kv(
                 inp.x, inp.k_pe, pos.cos, pos.sin, k_dim=d.k_dim, copy_v=spec.copy_v, **where
             )
-        # The op-level backward functions, as the autograd functions of ops.py call them: the
-        # tables are [P, R] fp32, and thd positions are the forward's cu_seqlens search, run
-        # once here as the forward runs it (ops.search_for_backward).
-        p = (pos.cos, pos.sin, pos.cu_seqlens, pos.position_ids, pos.layout, 0, 1)
+        # The op-level backward functions, as the autograd functions (mlarope.autograd) call
+        # them: the tables are [P, R] fp32, and thd positions are the forward's cu_seqlens
+        # search, run once here as the forward runs it (ops.search_for_backward).
         grad = inp.x if spec.op == "q" else inp.dk
-        searched = ops.search_for_backward(grad, pos.cu_seqlens, 0, 1)
         if spec.op == "q":
             # The forward kernel with transpose=True and the interleaving flags swapped. The
             # in-place row rotates the gradient in place: the backward of apply_rope_q(...,
             # inplace_backward=True). Without it, the backward is the out-of-place row's kernel
             # (a shared gradient must not be rotated in place; docs/semantics.md).
-            flags = (False, True, False, True, searched)
+            call = ops.QueryCall(
+                pos.cos, pos.sin, pos.cu_seqlens, pos.position_ids, None, pos.layout, 0, 1,
+                False, True, False, True,
+            )  # fmt: skip
+            call = ops.search_for_backward(grad, call)
             if spec.inplace:
-                return lambda: ops.rope_q_inplace_impl(inp.x, *p, *flags)
-            return lambda: ops.rope_q_impl(inp.x, *p, *flags)
-        return lambda: ops.rope_kv_backward_impl(inp.dk, inp.dv, *p, d.k_dim, True, False, searched)
+                return lambda: ops.rope_q_(inp.x, call)
+            return lambda: ops.rope_q(inp.x, call)
+        call = ops.KVCall(
+            pos.cos, pos.sin, pos.cu_seqlens, pos.position_ids, None, pos.layout, 0, 1, d.k_dim,
+            True, False, True, False,
+        )  # fmt: skip
+        call = ops.search_for_backward(grad, call)
+        return lambda: ops.rope_kv_backward(inp.dk, inp.dv, call)
 
     # ------------------------------------------------------------------ reference / compile
     def _ref_fn(self, name: str, fn: Callable, compiled: bool, **static: Any) -> Callable:

@@ -1,4 +1,4 @@
-"""The executable spec, in plain PyTorch: DESIGN.md's semantics for both ops.
+"""The executable spec, in plain PyTorch: the semantics (docs/design.md) for both ops.
 
 It is the CPU backend of :func:`mlarope.apply_rope_q` / :func:`mlarope.apply_rope_kv` and the
 oracle of the tests. Math runs in float32 (float64 for float64 inputs) and is rounded once to

@@ -71,7 +71,8 @@ import torch
 
 import mlarope
 from mlarope import _checks
-from mlarope.ops import rope_kv_differentiable
+from mlarope.autograd import rope_kv_differentiable
+from mlarope.ops import KVCall
 
 __all__ = [
     "ROUNDING_MODES",
@@ -658,7 +659,8 @@ def _apply_rope_kv_megatron_rounding(
     if _checks.validation_requested(validate):
         n_tokens = kv.shape[0] if kv.dim() == 3 else kv.shape[0] * kv.shape[1]
         _checks.check_positions_on_device(positions, n_tokens, cos2d.shape[0])
-    return rope_kv_differentiable(
-        kv, k_pe, cos2d, sin2d, positions.cu_seqlens, positions.position_ids, positions.layout,
+    call = KVCall(
+        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
         positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v, True,
     )  # fmt: skip
+    return rope_kv_differentiable(kv, k_pe, call)

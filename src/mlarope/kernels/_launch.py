@@ -34,7 +34,7 @@ import torch
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
 
-_MAX_ENTRIES = 4096  # distinct keys kept per kernel before the cache starts over
+from .._launch_cache import LAUNCH_CACHE, MAX_ENTRIES
 
 
 class _Recording(threading.local):
@@ -123,7 +123,7 @@ class DirectLauncher:
     def __init__(self, fn) -> None:
         self.fn = fn
         self._name = getattr(fn, "__name__", repr(fn))
-        self._kernels: dict[tuple, _Kernel] = {}
+        self._kernels: dict[tuple, _Kernel] = LAUNCH_CACHE.kernels_of(self)
         self._backend = None
         # Under TRITON_INTERPRET=1 ``fn`` is Triton's interpreter, which has no compiled
         # kernels: every call takes ``fn[grid](...)``.
@@ -168,7 +168,7 @@ class DirectLauncher:
         key = self._key(self._backend, device, num_warps, *args)
         if hasattr(compiled, "result"):  # asynchronous compilation returns a future
             compiled = compiled.result()
-        if len(self._kernels) >= _MAX_ENTRIES:
+        if len(self._kernels) >= MAX_ENTRIES:
             self._kernels.clear()
         kernel = self._kernels[key] = _Kernel(compiled)
         return kernel

@@ -146,12 +146,10 @@ class QLaunchConfig:
 # Elements of the rope tile one program moves. Memory-bound: enough bytes per program to keep
 # many loads in flight (8192 bf16 = 16 KiB in, 16 KiB out), few enough to avoid register spills.
 _TILE_ELEMENTS = 8192
-# In place only the rope channels move, and small one-warp programs were the fastest, or within
-# 0.2 µs of it, in every case of the kernel timed alone: 16 heads x 64 channels gained 2-4 µs
-# over the earlier 4,096-8,192-element tiles at sbhd and at 64-4,096 sequences, and 12-14 µs
-# with 1 or 4 sequences, whose distinct table rows miss the L2. In the whole op, behind the
-# cu_seqlens search, the gain showed at sbhd and with 1 or 4 sequences only (the H200, runs
-# Z5, Z6 and AA; docs/perf_log.md, v10).
+# In place only the rope channels move. Small one-warp programs keep the split of interleaved
+# pairs in registers (no shared memory) and many programs in flight, which matters most where
+# every token reads its own table row (few long sequences: the rows miss the L2); measured the
+# fastest tile in every case on the H200 (docs/perf_log.md, v10).
 _INPLACE_TILE_ELEMENTS = 1024
 
 
@@ -165,7 +163,7 @@ def choose_q_config(
     as possible; then as many tokens as fill the tile, for small head counts (tensor parallel
     shards). In place: 1,024-element one-warp programs (16 heads at R = 64). Both are what the
     launch-configuration measurements found fastest at DeepSeek-V3 shapes on the H200
-    (``python -m mlarope.sweep``, ``scripts/q_inplace_layouts.py``; docs/perf_log.md, v6 and
+    (``benchmarks/sweep.py``, ``benchmarks/q_inplace_layouts.py``; docs/perf_log.md, v6 and
     v10).
     """
     tile_elements = _INPLACE_TILE_ELEMENTS if inplace else _TILE_ELEMENTS

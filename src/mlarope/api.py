@@ -1,0 +1,182 @@
+"""The public calls: :func:`apply_rope_q` and :func:`apply_rope_kv`.
+
+Each call flows one way: its plan (``_plans``: a repeated eager call replays the launch an
+earlier call with the same metadata recorded, skipping what it provably passes) -> the
+host-side checks (``_checks``) -> the positions (``positions.Positions``) and the op's record
+(``ops.QueryCall`` / ``ops.KVCall``) -> ``autograd`` when a gradient, forward-mode AD or
+``torch.compile`` is involved -> ``ops`` -> the launcher and kernel (``kernels``) or the PyTorch
+reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks, _plans
+from .autograd import needs_autograd, rope_kv_differentiable, rope_q_differentiable
+from .ops import KVCall, QueryCall, rope_kv, rope_q, rope_q_
+
+__all__ = ["apply_rope_kv", "apply_rope_q"]
+
+
+def apply_rope_q(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    layout: str = "sbhd",
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    interleaved: bool = True,
+    interleaved_out: bool = False,
+    inverse: bool = False,
+    inplace: bool = False,
+    inplace_backward: bool = False,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Rotate the rope channels of the queries (MLA query op).
+
+    Args:
+        q: ``[S, B, H, N + R]`` (sbhd), ``[B, S, H, N + R]`` (bshd) or ``[T, H, N + R]`` (thd);
+            last dim contiguous, any strides elsewhere. The rope channels are ``q[..., N:]``.
+        cos, sin: ``[P, R]`` tables (singleton dims such as ``[P, 1, 1, R]`` accepted), fp32
+            preferred; ``R`` in (32, 64, 128).
+        layout: ``"sbhd"``, ``"bshd"`` or ``"thd"``.
+        cu_seqlens: ``[n + 1]`` int32/int64 (thd only): token ``t`` of sequence ``i`` has position
+            ``t - cu_seqlens[i]``; tokens at or past ``cu_seqlens[-1]`` are padding (unrotated).
+            Under context parallelism these are the global lengths.
+        position_ids: int tensor of the token dims (or broadcastable to them).
+        cp_rank, cp_size: context parallel rank and size (load-balanced split: rank ``r`` holds
+            chunks ``r`` and ``2 * cp_size - 1 - r`` of every sequence).
+        interleaved: input pairs are ``(x[2j], x[2j+1])`` (True) or ``(x[j], x[half+j])``.
+        interleaved_out: write the pairs interleaved (True) or half-split (False, default).
+        inverse: rotate by the opposite angle.
+        inplace: overwrite the rope channels of ``q`` and return ``q`` (declared to autograd).
+        inplace_backward: the backward rotates the rope channels of the incoming gradient in
+            place and returns that tensor as ``q``'s gradient, as Megatron-Core does: it moves
+            ``2 R`` instead of ``2 (N + R)`` elements per row. Only safe when no other op holds
+            that gradient (``q`` feeds one attention kernel); wrong when the output also feeds,
+            say, an addition, whose backward hands the same tensor to both branches, when a
+            hook keeps the gradient, or when you pass your own ``gradient`` (or a tensor it is
+            a slice of, as ``torch.cat``'s backward hands out) and use it afterwards. Falls back
+            to out of place for a broadcast, overlapping or inference-mode gradient, for double
+            backward and when compiling.
+            Default False: the backward writes a new tensor (docs/semantics.md).
+        validate: check device data (positions against the table, ``cu_seqlens`` well formed),
+            raising ``ValueError``; costs a device sync. Also on with ``MLAROPE_VALIDATE=1``.
+            Without it an out-of-range row comes out as NaN.
+
+    Differentiable to any order in ``q`` (backward, double backward, forward-mode AD,
+    ``torch.func``), in place or not. The tables are constants: a ``cos`` or ``sin`` that
+    requires grad raises ``ValueError`` (pass ``cos.detach()``).
+
+    Returns:
+        ``[..., H, N + R]``: a new tensor, or ``q`` itself when ``inplace``.
+    """
+    signature = _plans.query_signature(
+        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+        interleaved_out, inverse, inplace, inplace_backward, validate,
+    )  # fmt: skip
+    plan = _plans.find(signature)
+    if plan is not None:  # a repeated eager call
+        outputs = plan(signature.tensors)
+        if inplace:
+            torch.autograd.graph.increment_version(q)
+            return q
+        return outputs[0]
+
+    q, cos2d, sin2d, positions = _checks.check_q_call(
+        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+        interleaved, interleaved_out, inverse,
+    )  # fmt: skip
+    if _checks.check_bool("inplace", inplace):
+        _checks.check_inplace_target("q", q)
+    _checks.check_bool("inplace_backward", inplace_backward)
+    if _checks.validation_requested(validate):
+        _checks.check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])
+    call = QueryCall(
+        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
+        positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse, False,
+    )  # fmt: skip
+    if torch.compiler.is_compiling() or needs_autograd(q):
+        return rope_q_differentiable(q, call, inplace, inplace_backward)
+    with _plans.recorder(signature, q) as record:
+        if inplace:
+            rope_q_(q, call)
+            outputs = ()
+        else:
+            outputs = (rope_q(q, call),)
+        record(outputs)
+    if inplace:
+        torch.autograd.graph.increment_version(q)
+        return q
+    return outputs[0]
+
+
+def apply_rope_kv(
+    kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    k_dim: int,
+    layout: str = "sbhd",
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    interleaved: bool = True,
+    interleaved_out: bool = False,
+    copy_v: bool = True,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``kv`` and attach the rotated shared positional key to every head (MLA kv op).
+
+    Args:
+        kv: ``[..., H, K + V]`` in the layout's token dims (see :func:`apply_rope_q`).
+        k_pe: ``[..., 1, R]`` or ``[..., R]``, the positional key shared by all heads; same
+            dtype, device and token dims as ``kv``.
+        cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+            interleaved_out, validate: as in :func:`apply_rope_q` (interleaving refers to
+            ``k_pe``).
+        k_dim: ``K``, the non-positional key channels at the front of ``kv``.
+        copy_v: return ``v`` as a new contiguous tensor (True) or as the strided view
+            ``kv[..., K:]`` (False), which saves writing ``V`` channels per head.
+
+    Differentiable to any order in ``kv`` and ``k_pe``, as :func:`apply_rope_q` in ``q``.
+
+    Returns:
+        ``k: [..., H, K + R]`` (``kv[..., :K]`` then the rotated ``k_pe``) and ``v: [..., H, V]``.
+    """
+    signature = _plans.kv_signature(
+        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+        interleaved, interleaved_out, copy_v, validate,
+    )  # fmt: skip
+    plan = _plans.find(signature)
+    if plan is not None:  # a repeated eager call
+        outputs = plan(signature.tensors)
+        return outputs[0], (outputs[1] if copy_v else kv[..., k_dim:])
+
+    kv, k_pe, k_dim, cos2d, sin2d, positions = _checks.check_kv_call(
+        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+        interleaved, interleaved_out,
+    )  # fmt: skip
+    _checks.check_bool("copy_v", copy_v)
+    if _checks.validation_requested(validate):
+        _checks.check_positions_on_device(positions, _n_tokens(kv), cos2d.shape[0])
+    call = KVCall(
+        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
+        positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v, False,
+    )  # fmt: skip
+    if torch.compiler.is_compiling() or needs_autograd(kv, k_pe):
+        return rope_kv_differentiable(kv, k_pe, call)
+    with _plans.recorder(signature, kv) as record:
+        k, v = rope_kv(kv, k_pe, call)
+        record((k, v) if copy_v else (k,))
+    return k, (v if copy_v else kv[..., k_dim:])
+
+
+def _n_tokens(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() == 3 else x.shape[0] * x.shape[1]

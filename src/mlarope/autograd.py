@@ -1,0 +1,375 @@
+"""Autograd for both ops: backward, double backward, forward-mode AD, ``torch.func``, compile.
+
+Both ops are linear in their activations (the tables are constants), so every derivative is
+again one of the ops:
+
+- query op ``R``: its backward is ``R^T`` (:meth:`QueryCall.transposed`: the same op with
+  ``transpose`` flipped and the input and output layouts swapped), and the backward of ``R^T``
+  is ``R`` again; its tangent (forward-mode AD) is ``R`` applied to the tangent;
+- key/value op ``F: (kv, k_pe) -> (k, v)``: its backward is ``B: (dk, dv) -> (dkv, dk_pe)``,
+  and the backward of ``B`` is ``F`` applied to ``(g_dkv, g_dk_pe)``; tangents go through ``F``
+  and ``B`` themselves.
+
+A backward or tangent that itself needs differentiating (``create_graph=True``, forward AD,
+``torch.func``) therefore applies the op through its autograd function (``_apply_q``,
+``_apply_kv``, ``_apply_kv_backward``), which records it again, to any order. Otherwise it
+runs the op directly: no autograd overhead on a plain backward.
+
+Each op has three autograd functions with the same forward, backward and jvp
+(:class:`_Functions`): eager (``forward(ctx, ...)``), for ``torch.func`` transforms (which need
+the ``setup_context`` form; PyTorch binds every call of that form to its signature with
+``inspect``, tens of microseconds, so eager calls do not use it), and compiled (no ``jvp``,
+which Dynamo cannot trace). While compiling, calls that need no gradient go to the custom ops
+directly: Dynamo cannot trace ``mark_dirty`` either.
+
+The functions' inputs are the activations, then the op's record (``ops.call_args``), then (the
+query op) ``inplace`` and ``inplace_backward``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch._C import _functorch
+from torch.autograd import forward_ad as _fwad
+
+from .ops import (
+    KVCall,
+    QueryCall,
+    call_args,
+    call_tensors,
+    compiling,
+    rope_kv_op,
+    rope_q_inplace_op,
+    rope_q_op,
+    run_kv,
+    run_kv_backward,
+    run_q,
+    run_q_,
+    search_for_backward,
+    with_tensors,
+)
+
+_N_QUERY = len(dataclasses.fields(QueryCall))
+_N_KV = len(dataclasses.fields(KVCall))
+_NO_TENSORS = (None,) * 5  # ops.call_tensors, while they are saved apart
+
+
+def needs_autograd(*tensors: Tensor) -> bool:
+    """Whether an application to ``tensors`` must go through the autograd functions: grad mode
+    is on and one of them requires grad, forward-mode AD is on, or one of them is a
+    ``torch.func`` gradient wrapper (which only the autograd functions unwrap for the kernels).
+    """
+    if _fwad._current_level >= 0:
+        return True
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return True
+    return _functorch.maybe_current_level() is not None and any(
+        _functorch.is_gradtrackingtensor(t) for t in tensors
+    )
+
+
+def _ready(t: Tensor) -> Tensor:
+    """A gradient or tangent as the kernels read it: no lazy negation (neg bit), a contiguous
+    last dim, and not the wrapper of a ``torch.func`` transform that has returned (a backward
+    run after ``torch.func.vjp`` returned gets those)."""
+    if not compiling() and _functorch.is_functorch_wrapped_tensor(t):  # Dynamo skips these
+        t = _functorch.unwrap_if_dead(t)
+    t = t.resolve_neg()
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _save(ctx, call):
+    """Save the record's tensors (never differentiated: ``_checks.check_tables_constant``) for
+    the backward and ``jvp``, as plain tensors: inside a ``torch.func`` transform they may be
+    its wrappers, which outlive the transform (a backward run after ``torch.func.vjp``
+    returned) and which the kernels cannot read. The rest of the record is kept on ``ctx``."""
+    tensors = call_tensors(call)
+    if not compiling() and _functorch.maybe_current_level() is not None:
+        plain = []
+        for t in tensors:
+            while t is not None and _functorch.is_functorch_wrapped_tensor(t):
+                t = _functorch.get_unwrapped(t)
+            plain.append(t)
+        tensors = tuple(plain)
+    ctx.save_for_backward(*tensors)
+    if _fwad._current_level >= 0:
+        ctx.save_for_forward(*tensors)
+    ctx.call = with_tensors(call, _NO_TENSORS)
+
+
+def _saved(ctx):
+    """The record :func:`_save` kept, its tensors back in place."""
+    return with_tensors(ctx.call, ctx.saved_tensors)
+
+
+@dataclass(frozen=True)
+class _Functions:
+    """One op's autograd functions: the same forward, backward and jvp in three forms."""
+
+    eager: type[torch.autograd.Function]
+    func: type[torch.autograd.Function]  # setup_context form, for torch.func transforms
+    compiled: type[torch.autograd.Function]  # no jvp, for Dynamo
+
+    def pick(self) -> type[torch.autograd.Function]:
+        if compiling():
+            return self.compiled
+        if torch._C._are_functorch_transforms_active():
+            return self.func
+        return self.eager
+
+
+def _functions(name: str, doc: str, forward, setup_context, backward, jvp) -> _Functions:
+    """Build ``_Functions`` from ``forward(*inputs)``, ``setup_context(ctx, inputs, output)``,
+    ``backward(ctx, *grads)`` and ``jvp(ctx, *tangents)``."""
+
+    def forward_with_ctx(ctx, *inputs):
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    def make(suffix: str, members: dict) -> type[torch.autograd.Function]:
+        members = {"__doc__": doc, "backward": staticmethod(backward), **members}
+        return type(name + suffix, (torch.autograd.Function,), members)
+
+    return _Functions(
+        eager=make("", {"forward": staticmethod(forward_with_ctx), "jvp": staticmethod(jvp)}),
+        func=make(
+            "ForTorchFunc",
+            {
+                "forward": staticmethod(forward),
+                "setup_context": staticmethod(setup_context),
+                "jvp": staticmethod(jvp),
+            },
+        ),
+        compiled=make("Compiled", {"forward": staticmethod(forward_with_ctx)}),
+    )
+
+
+# ------------------------------------------------------------------- query op: R and R^T
+def _q_forward(x, *inputs):
+    call = QueryCall(*inputs[:_N_QUERY])
+    if inputs[_N_QUERY]:  # inplace
+        run_q_(x, call)
+        return x
+    return run_q(x, call)
+
+
+def _q_setup_context(ctx, inputs, output):
+    inplace, inplace_backward = inputs[1 + _N_QUERY :]
+    if inplace:
+        ctx.mark_dirty(inputs[0])
+    _save(ctx, QueryCall(*inputs[1 : 1 + _N_QUERY]))
+    ctx.inplace = inplace
+    ctx.inplace_backward = inplace_backward
+
+
+_Q_NO_GRADS = (None,) * (_N_QUERY + 2)
+
+
+def _q_backward(ctx, grad):
+    grad = _ready(grad)
+    transposed = _saved(ctx).transposed()
+    if ctx.inplace_backward and _grad_rotatable_in_place(grad):
+        run_q_(grad, transposed)
+        return (grad, *_Q_NO_GRADS)
+    return (_apply_q(grad, transposed, False), *_Q_NO_GRADS)
+
+
+def _q_jvp(ctx, tangent, *_):
+    if tangent is None:  # only the tables could carry one, and the API rejects that
+        return None
+    if ctx.inplace:  # the tangent is rotated in place, as PyTorch requires
+        return _apply_q(tangent, _saved(ctx), True)
+    return _apply_q(_ready(tangent), _saved(ctx), False)
+
+
+_Q = _functions(
+    "RopeQFunction",
+    """The query op ``R`` (``transpose=False``) or its transpose ``R^T``. Inputs: ``x``, the
+    :class:`QueryCall` fields, ``inplace``, ``inplace_backward``.
+
+    The backward is out of place by default, for the in-place op too: the incoming gradient may
+    be shared (``a + b`` hands one tensor to both branches; ``z.backward(g)`` hands the caller's
+    ``g``), so rotating it in place, as Megatron-Core does, can corrupt another branch's
+    gradient. That costs the nope channels' bytes. With ``inplace_backward`` the caller vouches
+    that nothing else holds the gradient (``q`` feeds one attention kernel), and an eager
+    backward rotates the gradient's rope channels in place and returns it: ``2 R`` instead of
+    ``2 (N + R)`` elements a row. It falls back to out of place where that is not possible
+    (``_grad_rotatable_in_place``), for double backward and forward AD, and when compiling.
+    See docs/semantics.md.""",
+    _q_forward,
+    _q_setup_context,
+    _q_backward,
+    _q_jvp,
+)
+
+
+def _apply_q(x: Tensor, call: QueryCall, inplace: bool) -> Tensor:
+    """The query op on ``x`` (a gradient or a tangent), recorded by autograd when it needs to
+    be (double backward, forward AD, torch.func), else run directly."""
+    if needs_autograd(x):
+        return _Q.pick().apply(x, *call_args(call), inplace, False)
+    if inplace:
+        run_q_(x, call)
+        return x
+    return run_q(x, call)
+
+
+def rope_q_differentiable(
+    q: Tensor, call: QueryCall, inplace: bool, inplace_backward: bool
+) -> Tensor:
+    """The query op on checked arguments where autograd, forward AD or ``torch.compile`` is
+    involved (``needs_autograd(q)`` or compiling); ``api`` runs everything else itself.
+
+    Compiled, a call that needs no gradient is the custom op itself (Dynamo cannot trace the
+    autograd function's ``mark_dirty``), and an in-place call that needs one is the out-of-place
+    op copied back into ``q``: torch 2.11's compiled backward of an autograd function that marks
+    its in-place custom op's input dirty passed the gradient through unrotated
+    (docs/semantics.md). The same values and gradients, bit for bit; it moves whole rows twice
+    (about ``4 (N + R)`` elements per row instead of ``2 R``) unless Inductor fuses the copy."""
+    if compiling():
+        if not (torch.is_grad_enabled() and q.requires_grad):
+            if inplace:
+                rope_q_inplace_op(q, *call_args(call))
+                return q
+            return rope_q_op(q, *call_args(call))
+        if inplace:
+            return q.copy_(_Q.compiled.apply(q, *call_args(call), False, False))
+        return _Q.compiled.apply(q, *call_args(call), False, inplace_backward)
+    call = search_for_backward(q, call)
+    return _Q.pick().apply(q, *call_args(call), inplace, inplace_backward)
+
+
+def _grad_rotatable_in_place(grad: Tensor) -> bool:
+    """Whether the backward may rotate ``grad`` in place (given ``inplace_backward``): in eager
+    mode (compiled, the custom op would be functionalized into a copy anyway), not a tensor of
+    a double-backward graph or of forward AD, not an inference tensor (PyTorch forbids writing
+    one outside inference mode), and every element its own memory, dense and non-overlapping (a
+    broadcast gradient, such as ``out.sum()``'s, is not). The caller made the last dim
+    contiguous and resolved a lazy negation (a new tensor, then)."""
+    if compiling() or needs_autograd(grad) or grad.is_inference():
+        return False
+    expected = 1
+    for size, stride in sorted(zip(grad.shape, grad.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# ------------------------------------------------------------------- key/value op: F and B
+_KV_NO_GRADS = (None,) * _N_KV
+
+
+def _kv_forward(kv, k_pe, *args):
+    call = KVCall(*args)
+    k, v = run_kv(kv, k_pe, call)
+    return k, (v if call.copy_v else kv[..., call.k_dim :])
+
+
+def _kv_setup_context(ctx, inputs, output):
+    """For ``F`` and ``B`` alike: two activations, then the record."""
+    _save(ctx, KVCall(*inputs[2:]))
+    if _fwad._current_level >= 0:
+        ctx.like = _zeros_spec(*inputs[:2])
+
+
+def _kv_backward_of_forward(ctx, dk, dv):
+    dkv, dk_pe = _apply_kv_backward(_ready(dk), _ready(dv), _saved(ctx))
+    return (dkv, dk_pe, *_KV_NO_GRADS)
+
+
+def _kv_jvp(ctx, t_kv, t_k_pe, *_):
+    t_kv, t_k_pe = _tangents((t_kv, t_k_pe), ctx.like)
+    return _apply_kv(t_kv, t_k_pe, _saved(ctx))
+
+
+_KV = _functions(
+    "RopeKVFunction",
+    """The key/value op ``F``. Inputs: ``kv``, ``k_pe [tokens..., R]``, the :class:`KVCall`
+    fields. Its backward ``B`` (``_KV_BACKWARD``) produces ``dkv`` and ``dk_pe`` in one launch.""",
+    _kv_forward,
+    _kv_setup_context,
+    _kv_backward_of_forward,
+    _kv_jvp,
+)
+
+
+def _b_forward(dk, dv, *args):
+    return run_kv_backward(dk, dv, KVCall(*args))
+
+
+def _b_backward(ctx, g_dkv, g_dk_pe):
+    call = dataclasses.replace(_saved(ctx), copy_v=False)
+    g_dk, g_dv = _apply_kv(_ready(g_dkv), _ready(g_dk_pe), call)
+    return (g_dk, g_dv, *_KV_NO_GRADS)
+
+
+def _b_jvp(ctx, t_dk, t_dv, *_):
+    t_dk, t_dv = _tangents((t_dk, t_dv), ctx.like)
+    return _apply_kv_backward(t_dk, t_dv, _saved(ctx))
+
+
+_KV_BACKWARD = _functions(
+    "RopeKVBackwardFunction",
+    """``B: (dk, dv) -> (dkv, dk_pe)``, the key/value op's backward, as a function of its own so
+    that it can be differentiated: ``B``'s backward is ``F`` on ``(g_dkv, g_dk_pe)``.""",
+    _b_forward,
+    _kv_setup_context,
+    _b_backward,
+    _b_jvp,
+)
+
+
+def _zeros_spec(*tensors: Tensor) -> tuple:
+    """What ``_tangents`` needs to stand in a zero tangent for each of ``tensors`` (not the
+    tensors themselves, which would be kept alive with the graph)."""
+    return tuple((t.shape, t.dtype, t.device) for t in tensors)
+
+
+def _tangents(tangents: tuple, spec: tuple) -> tuple:
+    """The key/value ops' tangents, zeros where an input has none (the other one has)."""
+    return tuple(
+        torch.zeros(shape, dtype=dtype, device=device) if t is None else _ready(t)
+        for t, (shape, dtype, device) in zip(tangents, spec, strict=True)
+    )
+
+
+def _apply_kv(kv: Tensor, k_pe: Tensor, call: KVCall) -> tuple[Tensor, Tensor]:
+    """``F`` on ``(kv, k_pe)``, recorded by autograd when it needs to be (``_apply_q``)."""
+    k_dim = call.k_dim
+    if needs_autograd(kv, k_pe):
+        function = _KV.pick()
+        if call.copy_v or _fwad._current_level < 0:
+            return function.apply(kv, k_pe, *call_args(call))
+        # A view of kv under forward AD: taken here, so that PyTorch derives its tangent from
+        # kv's. Returned by the function, its tangent would be set on kv itself (a zero one
+        # where kv had none), and torch.func would not see kv's at all. Costs a copy of v.
+        k, _ = function.apply(kv, k_pe, *call_args(dataclasses.replace(call, copy_v=True)))
+        return k, kv[..., k_dim:]
+    k, v = run_kv(kv, k_pe, call)
+    return k, (v if call.copy_v else kv[..., k_dim:])
+
+
+def _apply_kv_backward(dk: Tensor, dv: Tensor, call: KVCall) -> tuple[Tensor, Tensor]:
+    """``B`` on ``(dk, dv)``, recorded by autograd when it needs to be (``_apply_q``)."""
+    if needs_autograd(dk, dv):
+        return _KV_BACKWARD.pick().apply(dk, dv, *call_args(call))
+    return run_kv_backward(dk, dv, call)
+
+
+def rope_kv_differentiable(kv: Tensor, k_pe: Tensor, call: KVCall) -> tuple[Tensor, Tensor]:
+    """The key/value op on checked arguments (``k_pe: [tokens..., R]``) where autograd, forward
+    AD or ``torch.compile`` is involved; compiled without a gradient, the custom op itself."""
+    if compiling():
+        if not (torch.is_grad_enabled() and (kv.requires_grad or k_pe.requires_grad)):
+            k, v = rope_kv_op(kv, k_pe, *call_args(call))
+            return k, (v if call.copy_v else kv[..., call.k_dim :])
+        return _KV.compiled.apply(kv, k_pe, *call_args(call))
+    return _apply_kv(kv, k_pe, search_for_backward(kv, call))
