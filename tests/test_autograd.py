@@ -29,9 +29,10 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import mlarope
 from mlarope import reference
+from tests import q_harness
 from tests import test_kv as kvt
-from tests import test_q as qt
 from tests.errmodel import assert_close_elementwise
+from tests.harness import random_tables
 
 R = 32
 P = 24
@@ -166,9 +167,9 @@ def test_kv_torch_func_fp64(copy_v):
 # fp32 on the kernels: each derivative is a kernel, bit for bit, and right against fp64
 # ---------------------------------------------------------------------------------------------
 
-Q_CASE = qt.Case(layout="thd", tokens=(15,), source="cu", dtype=torch.float32)
-Q_IDS_CASE = qt.Case(layout="bshd", tokens=(2, 5), source="ids", dtype=torch.float32,
-                     interleaved=False, interleaved_out=True, inverse=True)  # fmt: skip
+Q_CASE = q_harness.Case(layout="thd", tokens=(15,), source="cu", dtype=torch.float32)
+Q_IDS_CASE = q_harness.Case(layout="bshd", tokens=(2, 5), source="ids", dtype=torch.float32,
+                            interleaved=False, interleaved_out=True, inverse=True)  # fmt: skip
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -185,9 +186,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def q_check(x, out, cos2d, sin2d, positions, case, *, transpose: bool, what: str) -> None:
     """``out`` is the kernel's ``R(x)`` (or ``R^T(x)``) bit for bit, and within the error model
     of the fp64 reference."""
-    kernel = qt.launch(x.detach(), cos2d, sin2d, positions, case, transpose=transpose)
+    kernel = q_harness.launch(x.detach(), cos2d, sin2d, positions, case, transpose=transpose)
     assert same_bits(out, kernel), f"{what}: not the kernel's bits"
-    truth, tol = qt.truth_and_tolerance(x.detach(), cos2d, sin2d, positions, case, transpose)
+    truth, tol = q_harness.truth_and_tolerance(x.detach(), cos2d, sin2d, positions, case, transpose)
     assert_close_elementwise(out.detach(), truth, tol, what)
 
 
@@ -196,8 +197,8 @@ def q_check(x, out, cos2d, sin2d, positions, case, *, transpose: bool, what: str
 def test_q_double_backward_on_the_kernels(case, inplace, device):
     """``create_graph=True``: the gradient has a graph (before: ``requires_grad`` False), and its
     derivatives to the third order are the forward and backward kernels."""
-    q0, cos, sin, kwargs = qt.make_inputs(case, device)
-    _, cos2d, sin2d, positions = qt.checked(q0, cos, sin, case, kwargs)
+    q0, cos, sin, kwargs = q_harness.make_inputs(case, device)
+    _, cos2d, sin2d, positions = q_harness.host_checked(q0, cos, sin, case, kwargs)
     flags = dict(interleaved=case.interleaved, interleaved_out=case.interleaved_out,
                  inverse=case.inverse, inplace=inplace, **kwargs)  # fmt: skip
     leaf = q0.clone().requires_grad_(True)
@@ -220,8 +221,8 @@ def test_q_double_backward_on_the_kernels(case, inplace, device):
     assert g.requires_grad
     u = torch.randn(q0.shape, device=device)
     (hvp,) = torch.autograd.grad(g, leaf, u)
-    r_u = qt.launch(u, cos2d, sin2d, positions, case, transpose=False)
-    expected = qt.launch(2 * r_u, cos2d, sin2d, positions, case, transpose=True)
+    r_u = q_harness.launch(u, cos2d, sin2d, positions, case, transpose=False)
+    expected = q_harness.launch(2 * r_u, cos2d, sin2d, positions, case, transpose=True)
     assert same_bits(hvp, expected), "the Hessian-vector product is R^T (2 R u)"
 
 
@@ -231,8 +232,8 @@ def test_q_double_backward_on_the_kernels(case, inplace, device):
 def test_q_forward_ad_on_the_kernels(case, inplace, api, device):
     """The tangent is rotated like the primal (before: ``None``). In place, the tangent is
     rotated in place too, as PyTorch's in-place ops do."""
-    q0, cos, sin, kwargs = qt.make_inputs(case, device)
-    _, cos2d, sin2d, positions = qt.checked(q0, cos, sin, case, kwargs)
+    q0, cos, sin, kwargs = q_harness.make_inputs(case, device)
+    _, cos2d, sin2d, positions = q_harness.host_checked(q0, cos, sin, case, kwargs)
     flags = dict(interleaved=case.interleaved, interleaved_out=case.interleaved_out,
                  inverse=case.inverse, inplace=inplace, **kwargs)  # fmt: skip
     t = torch.randn(q0.shape, device=device)
@@ -381,7 +382,7 @@ def test_compile_inductor_on_the_cpu(op, mode, monkeypatch):
 
 def run_compiled(op: str, mode: str, device: torch.device, compile_backend: str) -> None:
     cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32, device=device)
-    cos, sin = qt.random_tables(16, R, torch.float32, device)
+    cos, sin = random_tables(16, R, torch.float32, device)
     where = dict(layout="thd", cu_seqlens=cu)
     n_tokens, heads = 9, 3
     needs_grad = mode == "grad"
@@ -428,7 +429,7 @@ def test_vmap_on_the_kernels_is_a_clear_error(device):
     whose batched tensors have no memory: a ``NotImplementedError`` that says so (before: "Cannot
     access data pointer of Tensor that doesn't have storage"). The reference backend runs them
     (``tests/test_plans.py::test_vmap_takes_the_pipeline``)."""
-    cos, sin = qt.random_tables(8, R, torch.float32, device)
+    cos, sin = random_tables(8, R, torch.float32, device)
     q = torch.randn(2, 4, 1, 8 + R, device=device)
     with pytest.raises(NotImplementedError, match=r"cannot run under torch\.func\.vmap"):
         torch.func.vmap(lambda x: mlarope.apply_rope_q(x, cos, sin, layout="thd"))(q)

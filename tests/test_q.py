@@ -1,142 +1,33 @@
-"""The query op's Triton kernels against the fp64 reference, over the issue's matrix.
+"""The query op's Triton kernels against the fp64 reference, over the issue's matrix; launch
+configurations, the public API, autograd and ``inplace_backward``, ``torch.compile``, and (GPU
+lane) correct rounding and CUDA graphs.
 
 Runs on the ``device`` fixture: CPU tensors under Triton's interpreter in the CPU lane, CUDA in
-the GPU lane. Every rotated element is held to the error model (docs/design.md) (tests/errmodel.py);
-copied channels must be exact; outputs are poisoned with NaN first so an unwritten element fails.
+the GPU lane. The harness (cases, inputs, launches into NaN-poisoned outputs, the fp64 truth and
+the error model's tolerances) is ``tests/q_harness.py``.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 import mlarope
-from mlarope import _checks, reference
-from mlarope.kernels.q import QLaunchConfig, choose_q_config, rope_q_launch
-from tests.errmodel import assert_close_elementwise, poisoned_like, rope_tolerance
-
-
-@dataclass
-class Case:
-    layout: str = "sbhd"
-    tokens: tuple = (5, 2)
-    heads: int = 3
-    nope: int = 16
-    rope: int = 64
-    dtype: torch.dtype = torch.bfloat16
-    table_dtype: torch.dtype = torch.float32
-    interleaved: bool = True
-    interleaved_out: bool = False
-    inverse: bool = False
-    source: str = "seq"  # seq | cu | ids
-    cp_size: int = 1
-    cp_rank: int = 0
-    strided: bool = False
-    table_rows: int = 64
-
-
-def random_tables(rows: int, rope: int, dtype: torch.dtype, device) -> tuple:
-    """General tables (the halves differ) with values like real cos/sin, rounded to ``dtype``."""
-    theta = torch.rand(rows, rope, dtype=torch.float64) * 6.3
-    scale = 1.0 + 0.5 * torch.rand(rows, 1, dtype=torch.float64)
-    return (
-        (theta.cos() * scale).to(dtype).to(device),
-        (theta.sin() * scale).to(dtype).to(device),
-    )
-
-
-def make_inputs(case: Case, device):
-    """``q`` (maybe a strided, misaligned slice of a fused projection), tables, position kwargs."""
-    width = case.nope + case.rope
-    shape = (*case.tokens, case.heads, width)
-    if case.strided:
-        # A slice of a wider fused projection, 3 elements off alignment, token dims strided.
-        if len(case.tokens) == 2:
-            big = torch.randn(case.tokens[1], case.tokens[0], case.heads, width + 7).transpose(0, 1)
-        else:
-            big = torch.randn(case.tokens[0], case.heads + 1, width + 7)[:, 1:]
-        q = big.to(case.dtype).to(device)[..., 3 : 3 + width]
-        assert q.stride(-1) == 1 and not q.is_contiguous()
-    else:
-        q = torch.randn(shape).to(case.dtype).to(device)
-    cos, sin = random_tables(case.table_rows, case.rope, case.table_dtype, device)
-    kwargs = dict(layout=case.layout, cp_rank=case.cp_rank, cp_size=case.cp_size)
-    if case.source == "cu":
-        kwargs["cu_seqlens"] = CU_SEQLENS[case.cp_size].to(device)
-    elif case.source == "ids":
-        n = case.tokens[0] if case.layout == "thd" else case.tokens[0] * case.tokens[1]
-        ids = torch.randint(0, case.table_rows, (n,))
-        ids[1] = case.table_rows + 3  # out of range: NaN row
-        kwargs["position_ids"] = ids.reshape(case.tokens).to(device)
-    return q, cos, sin, kwargs
-
-
-# Global lengths (multiples of 2*cp_size), with an empty sequence, a short one and, for thd, a
-# padded tail: the tensors have more tokens than cu_seqlens[-1] / cp_size.
-CU_SEQLENS = {
-    1: torch.tensor([0, 3, 3, 4, 13], dtype=torch.int32),
-    2: torch.tensor([0, 4, 4, 16], dtype=torch.int64),
-    4: torch.tensor([0, 8, 8, 24], dtype=torch.int32),
-}
-THD_TOKENS = {1: (15,), 2: (9,), 4: (7,)}
-
-
-def checked(q, cos, sin, case: Case, kwargs):
-    return _checks.check_q_call(
-        q, cos, sin, case.layout, kwargs.get("cu_seqlens"), kwargs.get("position_ids"),
-        case.cp_rank, case.cp_size, case.interleaved, case.interleaved_out, case.inverse,
-    )  # fmt: skip
-
-
-def truth_and_tolerance(x, cos2d, sin2d, positions, case: Case, transpose: bool):
-    """fp64 reference of one direction, and the per-element tolerance of its rope channels."""
-    il_in, il_out = case.interleaved, case.interleaved_out
-    if transpose:
-        il_in, il_out = il_out, il_in
-    truth = reference.rope_q(
-        x.double(), cos2d.double(), sin2d.double(), positions, interleaved_in=il_in,
-        interleaved_out=il_out, inverse=case.inverse, transpose=transpose,
-    )  # fmt: skip
-    tol = torch.zeros_like(truth)
-    tol[..., case.nope :] = rope_tolerance(
-        x[..., case.nope :].double(), cos2d, sin2d, positions, truth[..., case.nope :], x.dtype,
-        interleaved_in=il_in, interleaved_out=il_out,
-    )  # fmt: skip
-    return truth, tol
-
-
-def launch(x, cos2d, sin2d, positions, case: Case, *, transpose, inplace=False, config=None):
-    il_in, il_out = case.interleaved, case.interleaved_out
-    if transpose:
-        il_in, il_out = il_out, il_in
-    out = x if inplace else poisoned_like(x)
-    rope_q_launch(
-        x, out, cos2d, sin2d, positions, interleaved_in=il_in, interleaved_out=il_out,
-        inverse=case.inverse, transpose=transpose, config=config,
-    )  # fmt: skip
-    return out
-
-
-def check_case(case: Case, device) -> None:
-    q, cos, sin, kwargs = make_inputs(case, device)
-    q_before = q.clone()
-    q, cos2d, sin2d, positions = checked(q, cos, sin, case, kwargs)
-    for transpose in (False, True):
-        truth, tol = truth_and_tolerance(q, cos2d, sin2d, positions, case, transpose)
-        out = launch(q, cos2d, sin2d, positions, case, transpose=transpose)
-        assert torch.equal(q, q_before), "out of place must leave its input untouched"
-        what = f"{'backward' if transpose else 'forward'} {case}"
-        assert_close_elementwise(out, truth, tol, what)
-        # In place: the same bits in the rope channels, nope channels untouched.
-        x = q.clone()
-        launch(x, cos2d, sin2d, positions, case, transpose=transpose, inplace=True)
-        assert torch.equal(x[..., : case.nope], q[..., : case.nope])
-        assert torch.equal(x.nan_to_num(0.5), out.nan_to_num(0.5)), (
-            f"in place != out of place: {what}"
-        )
+from mlarope import reference
+from mlarope.kernels.q import QLaunchConfig, choose_q_config
+from tests.errmodel import assert_close_elementwise
+from tests.harness import random_tables
+from tests.q_harness import (
+    THD_TOKENS,
+    Case,
+    check_case,
+    host_checked,
+    launch,
+    make_inputs,
+    truth_and_tolerance,
+)
 
 
 def cases():
@@ -197,7 +88,7 @@ def test_q_identical_for_every_launch_config(layout, device):
     case = Case(layout=layout, tokens=(6, 2) if layout == "sbhd" else (15,),
                 source="cu" if layout == "thd" else "seq", heads=5, nope=24)  # fmt: skip
     q, cos, sin, kwargs = make_inputs(case, device)
-    q, cos2d, sin2d, positions = checked(q, cos, sin, case, kwargs)
+    q, cos2d, sin2d, positions = host_checked(q, cos, sin, case, kwargs)
     n_tokens = q.shape[0] * (q.shape[1] if q.dim() == 4 else 1)
     for transpose in (False, True):
         results = [
@@ -236,7 +127,7 @@ def test_q_public_api_autograd(inplace, device):
         assert torch.equal(leaf.detach(), q0), "out of place leaves its input untouched"
     grad = torch.randn_like(out)
     (out * grad).sum().backward()
-    qc, cos2d, sin2d, positions = checked(q0, cos, sin, case, kwargs)
+    qc, cos2d, sin2d, positions = host_checked(q0, cos, sin, case, kwargs)
     forward = launch(qc, cos2d, sin2d, positions, case, transpose=False)
     assert torch.equal(out.detach(), forward)
     expected = launch(grad, cos2d, sin2d, positions, case, transpose=True)
@@ -278,7 +169,7 @@ def test_q_inplace_backward_rotates_the_gradient_in_place(case, inplace, device)
             assert dq.data_ptr() != g.data_ptr()
         grads[inplace_backward] = dq.clone()
     assert torch.equal(grads[True].nan_to_num(7), grads[False].nan_to_num(7))
-    _, cos2d, sin2d, positions = checked(q0, cos, sin, case, kwargs)
+    _, cos2d, sin2d, positions = host_checked(q0, cos, sin, case, kwargs)
     expected = launch(g0, cos2d, sin2d, positions, case, transpose=True)
     assert torch.equal(grads[True].nan_to_num(7), expected.nan_to_num(7))
 
@@ -474,7 +365,7 @@ def test_q_many_sequences_lookup(cp_size, device):
     q, cos, sin, _ = make_inputs(case, device)
     for rank in range(cp_size):
         kwargs = dict(layout="thd", cu_seqlens=cu.to(device), cp_rank=rank, cp_size=cp_size)
-        qc, cos2d, sin2d, positions = checked(
+        qc, cos2d, sin2d, positions = host_checked(
             q, cos, sin, Case(**{**case.__dict__, "cp_size": cp_size, "cp_rank": rank}), kwargs
         )
         out = launch(qc, cos2d, sin2d, positions, case, transpose=False)
