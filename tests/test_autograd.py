@@ -29,10 +29,9 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import mlarope
 from mlarope import reference
-from tests import q_harness
-from tests import test_kv as kvt
+from tests import kv_harness, q_harness
 from tests.errmodel import assert_close_elementwise
-from tests.harness import random_tables
+from tests.harness import bitwise_equal, random_tables
 
 R = 32
 P = 24
@@ -180,7 +179,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     nan = a.isnan()
     if not torch.equal(nan, b.isnan()):
         return False
-    return kvt.bitwise_equal(a.masked_fill(nan, 0.0), b.masked_fill(nan, 0.0))
+    return bitwise_equal(a.masked_fill(nan, 0.0), b.masked_fill(nan, 0.0))
 
 
 def q_check(x, out, cos2d, sin2d, positions, case, *, transpose: bool, what: str) -> None:
@@ -252,14 +251,14 @@ def test_q_forward_ad_on_the_kernels(case, inplace, api, device):
     q_check(t, tangent, cos2d, sin2d, positions, case, transpose=False, what="tangent")
 
 
-KV_CASE = kvt.Case(layout="thd", tokens=(16,), source="cu", cu=kvt.CU_EDGES, k_dim=16, v_dim=8,
-                   rope=R, dtype=torch.float32, table_rows=P)  # fmt: skip
-KV_IDS_CASE = kvt.Case(layout="sbhd", tokens=(3, 2), source="ids", k_dim=16, v_dim=8, rope=R,
-                       dtype=torch.float32, interleaved=False, interleaved_out=True,
-                       table_rows=P)  # fmt: skip
+KV_CASE = kv_harness.Case(layout="thd", tokens=(16,), source="cu", cu=kv_harness.CU_EDGES,
+                          k_dim=16, v_dim=8, rope=R, dtype=torch.float32, table_rows=P)  # fmt: skip
+KV_IDS_CASE = kv_harness.Case(layout="sbhd", tokens=(3, 2), source="ids", k_dim=16, v_dim=8,
+                              rope=R, dtype=torch.float32, interleaved=False,
+                              interleaved_out=True, table_rows=P)  # fmt: skip
 
 
-def kv_call(inp: kvt.Inputs, case: kvt.Case, kv, k_pe, copy_v: bool):
+def kv_call(inp: kv_harness.Inputs, case: kv_harness.Case, kv, k_pe, copy_v: bool):
     return mlarope.apply_rope_kv(
         kv, k_pe, inp.cos, inp.sin, k_dim=case.k_dim, interleaved=case.interleaved,
         interleaved_out=case.interleaved_out, copy_v=copy_v, **inp.kwargs,
@@ -271,11 +270,13 @@ def kv_check_forward(kv, k_pe, k, v, checked, case, what):
     model of the fp64 reference."""
     _, _, cos2d, sin2d, positions = checked
     k_pe = k_pe.detach().reshape(*kv.shape[:-2], case.rope)
-    want_k, want_v = kvt.forward(
+    want_k, want_v = kv_harness.launch_forward(
         kv.detach(), k_pe, cos2d, sin2d, positions, replace(case, copy_v=True)
     )
     assert same_bits(k, want_k) and same_bits(v, want_v), f"{what}: not the kernel's bits"
-    kvt.check_forward(kv.detach(), k_pe, k.detach(), v.detach(), cos2d, sin2d, positions, case)
+    kv_harness.check_forward(
+        kv.detach(), k_pe, k.detach(), v.detach(), cos2d, sin2d, positions, case
+    )
 
 
 @pytest.mark.parametrize("copy_v", [True, False], ids=["copy_v", "view_v"])
@@ -283,8 +284,8 @@ def kv_check_forward(kv, k_pe, k, v, checked, case, what):
 def test_kv_double_backward_on_the_kernels(case, copy_v, device):
     """The backward ``B`` has a graph; its derivative is the forward kernel on the incoming
     ``(g_dkv, g_dk_pe)`` (before: "does not require grad")."""
-    inp = kvt.make_inputs(case, device)
-    checked = kvt.checked(inp, case)
+    inp = kv_harness.make_inputs(case, device)
+    checked = kv_harness.host_checked(inp, case)
     _, _, cos2d, sin2d, positions = checked
     kv = inp.kv.detach().clone().requires_grad_(True)
     k_pe = inp.k_pe.detach().clone().requires_grad_(True)
@@ -293,9 +294,11 @@ def test_kv_double_backward_on_the_kernels(case, copy_v, device):
     gv = torch.randn(v.shape, device=device, requires_grad=True)
     dkv, dk_pe = torch.autograd.grad((k, v), (kv, k_pe), (gk, gv), create_graph=True)
     assert dkv.requires_grad and dk_pe.requires_grad, "the gradients must carry a graph"
-    want_dkv, want_pe = kvt.backward(gk.detach(), gv.detach(), cos2d, sin2d, positions, case)
+    want_dkv, want_pe = kv_harness.launch_backward(
+        gk.detach(), gv.detach(), cos2d, sin2d, positions, case
+    )
     assert same_bits(dkv, want_dkv) and same_bits(dk_pe.reshape(want_pe.shape), want_pe)
-    kvt.check_backward(gk.detach(), gv.detach(), dkv.detach(), dk_pe.detach().reshape(
+    kv_harness.check_backward(gk.detach(), gv.detach(), dkv.detach(), dk_pe.detach().reshape(
         want_pe.shape), cos2d, sin2d, positions, case)  # fmt: skip
     u_kv = torch.randn(kv.shape, device=device)
     u_pe = torch.randn(k_pe.shape, device=device)
@@ -311,8 +314,8 @@ def test_kv_forward_ad_on_the_kernels(copy_v, api, tangents, device):
     an input has none); a ``v`` that is a view of a ``kv`` without a tangent has none either,
     and ``kv`` is given none."""
     case = KV_CASE
-    inp = kvt.make_inputs(case, device)
-    checked = kvt.checked(inp, case)
+    inp = kv_harness.make_inputs(case, device)
+    checked = kv_harness.host_checked(inp, case)
     t_kv = torch.randn(inp.kv.shape, device=device) if tangents != "k_pe" else None
     t_pe = torch.randn(inp.k_pe.shape, device=device) if tangents != "kv" else None
     kv0, k_pe0 = inp.kv.detach(), inp.k_pe.detach()
