@@ -22,12 +22,12 @@ import triton.language as tl
 
 import mlarope
 from mlarope import _checks, _plans
-from mlarope.bench import host_us_per_call
 from mlarope.kernels import q as q_kernels
 from mlarope.kernels._launch import DirectLauncher
 from mlarope.kernels.kv import rope_kv_launch
 from mlarope.kernels.q import rope_q_launch
 from mlarope.positions import Positions
+from mlarope.tools.bench import host_us_per_call
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def _empty(x_ptr, BLOCK: tl.constexpr):
 
 
 def per_call_us(fn, calls: int = 1000, repeats: int = 5) -> float:
-    """The benchmark's host measurement (``mlarope.bench.host_us_per_call``), warmed up with
+    """The benchmark's host measurement (``mlarope.tools.bench.host_us_per_call``), warmed up with
     200 calls."""
     return host_us_per_call(fn, torch.cuda.synchronize, calls, repeats, warmup=200)
 

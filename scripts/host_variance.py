@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from mlarope import bench
+from mlarope.tools import bench
 
 
 def loops(fn, sync) -> list[float]:

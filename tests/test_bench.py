@@ -1,4 +1,4 @@
-"""The benchmark harness (``mlarope.bench``): the bytes model by hand, the target logic, and a
+"""The benchmark harness (``mlarope.tools.bench``): the bytes model by hand, the target logic, and a
 CPU smoke run end to end (table, JSON, Markdown, PNG). The GPU numbers come from the GPU lane's
 ``python -m mlarope bench``; the ``gpu`` test here only checks that the real path runs."""
 
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from mlarope import bench
-from mlarope.bench import MlaDims, Row, bytes_moved, rotation_sets, target_status
+from mlarope.tools import bench
+from mlarope.tools.bench import MlaDims, Row, bytes_moved, rotation_sets, target_status
 
 TINY = MlaDims(heads=2, nope=4, rope=8, k_dim=6, v_dim=5, elem_bytes=2)
 
@@ -252,7 +252,7 @@ def test_cpu_smoke_writes_table_json_markdown_and_plot(tmp_path, capsys, monkeyp
 
 
 def test_cli_knows_bench():
-    cli = pytest.importorskip("mlarope.cli")
+    cli = pytest.importorskip("mlarope.tools.cli")
     assert cli.main(["bench", "--dry-run", "--cases", "decode1", "--ops", "q_fwd"]) == 0
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mlarope import cli
+from mlarope.tools import cli
 
 
 def test_help_lists_every_command(capsys):
@@ -77,7 +77,7 @@ def test_commands_run_without_rich(command):
     """rich is an extra (``mlarope[bench]``): without it the commands print plain text."""
     code = (
         "import sys; sys.modules['rich'] = None\n"  # any import of rich now raises ImportError
-        "from mlarope.cli import main\n"
+        "from mlarope.tools.cli import main\n"
         f"sys.exit(main({command!r}))\n"
     )
     result = _run(["-c", code], drop=("TRITON_INTERPRET",))
@@ -90,7 +90,7 @@ def test_commands_say_why_without_triton():
     still runs and ``stress`` exits 2 with the reason instead of a traceback."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "from mlarope.cli import main\n"
+        "from mlarope.tools.cli import main\n"
         "print('info', main(['info']))\n"
         "print('stress', main(['stress', '--trials', '1']))\n"
     )
@@ -117,10 +117,10 @@ def test_stress_without_gpu_or_interpreter_exits_2():
     "module",
     [
         "mlarope",
-        "mlarope.cli",
-        "mlarope.demo",
-        "mlarope.stress",
-        "mlarope.bench",
+        "mlarope.tools.cli",
+        "mlarope.tools.demo",
+        "mlarope.tools.stress",
+        "mlarope.tools.bench",
         "mlarope.sweep",
         "mlarope.kernel_report",
     ],

@@ -476,7 +476,7 @@ class Positional:
 
 
 def make_positional(suite: Suite, case: Case, device: torch.device, gen: torch.Generator):
-    from .yarn import YarnConfig
+    from mlarope.yarn import YarnConfig
 
     cos, sin = YarnConfig.deepseek_v3(dim=suite.dims.rope).cos_sin(suite.max_positions, device)
     cu = ids = None
@@ -520,8 +520,8 @@ class Unsupported(Exception):
 
 def _ref_q(q, cos, sin, cu, ids, *, layout: str, inplace: bool, transpose: bool):
     """The reference query op (forward, or its transpose for the backward), in place or not."""
-    from . import reference
-    from .positions import Positions, token_positions
+    from mlarope import reference
+    from mlarope.positions import Positions, token_positions
 
     positions = Positions(layout, cu, ids, 0, 1)
     il_in, il_out = (False, True) if transpose else (True, False)
@@ -543,8 +543,8 @@ def _ref_q(q, cos, sin, cu, ids, *, layout: str, inplace: bool, transpose: bool)
 
 
 def _ref_kv(kv, k_pe, cos, sin, cu, ids, *, layout: str, k_dim: int, copy_v: bool):
-    from . import reference
-    from .positions import Positions
+    from mlarope import reference
+    from mlarope.positions import Positions
 
     positions = Positions(layout, cu, ids, 0, 1)
     k, v = reference.rope_kv(
@@ -554,8 +554,8 @@ def _ref_kv(kv, k_pe, cos, sin, cu, ids, *, layout: str, k_dim: int, copy_v: boo
 
 
 def _ref_kv_bwd(dk, dv, cos, sin, cu, ids, *, layout: str, k_dim: int):
-    from . import reference
-    from .positions import Positions
+    from mlarope import reference
+    from mlarope.positions import Positions
 
     positions = Positions(layout, cu, ids, 0, 1)
     return reference.rope_kv_backward(
@@ -575,8 +575,7 @@ class Builders:
     # ------------------------------------------------------------------ mlarope
     def mlarope(self, spec: OpSpec, inp: Inputs, pos: Positional) -> Callable[[], object]:
         import mlarope
-
-        from . import ops
+        from mlarope import ops
 
         d = self.suite.dims
         where = dict(layout=pos.layout, cu_seqlens=pos.cu_seqlens, position_ids=pos.position_ids)
@@ -1122,7 +1121,7 @@ def _program() -> str:
     if argv0.endswith("__main__.py"):
         return "python -m mlarope"
     if argv0.endswith("bench.py"):
-        return "python -m mlarope.bench"
+        return "python -m mlarope.tools.bench"
     return Path(argv0).name
 
 
@@ -1379,7 +1378,7 @@ def _write_outputs(console, args, results: Results, impls: Sequence[str]) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mlarope.bench`` (the same as ``python -m mlarope bench``)."""
+    """``python -m mlarope.tools.bench`` (the same as ``python -m mlarope bench``)."""
     parser = argparse.ArgumentParser(prog="python -m mlarope bench", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
