@@ -27,7 +27,7 @@ from mlarope.kernels._launch import DirectLauncher
 from mlarope.kernels.kv import rope_kv_launch
 from mlarope.kernels.q import rope_q_launch
 from mlarope.positions import Positions
-from mlarope.tools.bench import host_us_per_call
+from mlarope.tools.bench.timers import host_us_per_call
 
 
 @triton.jit
@@ -36,8 +36,8 @@ def _empty(x_ptr, BLOCK: tl.constexpr):
 
 
 def per_call_us(fn, calls: int = 1000, repeats: int = 5) -> float:
-    """The benchmark's host measurement (``mlarope.tools.bench.host_us_per_call``), warmed up with
-    200 calls."""
+    """The benchmark's host measurement (``host_us_per_call`` of ``mlarope.tools.bench.timers``),
+    warmed up with 200 calls."""
     return host_us_per_call(fn, torch.cuda.synchronize, calls, repeats, warmup=200)
 
 
