@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from mlarope.tools import cli
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_help_lists_every_command(capsys):
@@ -114,22 +117,23 @@ def test_stress_without_gpu_or_interpreter_exits_2():
 
 
 @pytest.mark.parametrize(
-    "module",
+    "entry",
     [
-        "mlarope",
-        "mlarope.tools.cli",
-        "mlarope.tools.demo",
-        "mlarope.tools.stress",
-        "mlarope.tools.bench",
-        "mlarope.sweep",
-        "mlarope.kernel_report",
+        ["-m", "mlarope"],
+        ["-m", "mlarope.tools.cli"],
+        ["-m", "mlarope.tools.demo"],
+        ["-m", "mlarope.tools.stress"],
+        ["-m", "mlarope.tools.bench"],
+        [str(BENCHMARKS / "sweep.py")],
+        [str(BENCHMARKS / "kernel_report.py")],
     ],
+    ids=lambda entry: entry[-1].replace(str(BENCHMARKS), "benchmarks"),
 )
-def test_every_module_entry_point_has_help(module):
-    """``python -m <module> --help`` explains and exits 0 without running anything
-    (``mlarope.kernel_report --help`` used to compile and print the report;
-    ``mlarope.demo`` and ``mlarope.stress`` printed nothing)."""
-    result = _run(["-m", module, "--help"], drop=("TRITON_INTERPRET",))
+def test_every_module_entry_point_has_help(entry):
+    """``python -m <module> --help`` and ``python benchmarks/<script> --help`` explain and exit
+    0 without running anything (the kernel report's ``--help`` used to compile and print the
+    report; the demo's and the stress run's module entry points printed nothing)."""
+    result = _run([*entry, "--help"], drop=("TRITON_INTERPRET",))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("usage: ")
     assert "| kernel |" not in result.stdout

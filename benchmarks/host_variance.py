@@ -10,7 +10,7 @@ it makes) and callables, timed with its host loop (5 loops of 1,000 calls, every
 - ``gc frozen``: collector on, every existing object moved out of its reach (``gc.freeze()``);
 - ``empty x2``: the two ``torch.empty`` of the key/value outputs alone.
 
-    PYTHONPATH=src python3 scripts/host_variance.py
+    PYTHONPATH=src python3 benchmarks/host_variance.py
 """
 
 from __future__ import annotations
