@@ -139,6 +139,34 @@ def test_every_module_entry_point_has_help(entry):
     assert "| kernel |" not in result.stdout
 
 
+def test_library_does_not_import_the_tools():
+    """The package's commands sit beside the library: no module outside ``mlarope.tools``
+    (``python -m mlarope``'s ``__main__`` aside) imports them, at the top or in a function."""
+    import ast
+
+    import mlarope
+
+    package = Path(mlarope.__file__).parent
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package)
+        if relative.parts[0] == "tools" or relative == Path("__main__.py"):
+            continue
+        # The package a relative import starts from (``a/b.py`` and ``a/__init__.py``: ``a``).
+        package_parts = ["mlarope", *relative.with_suffix("").parts][:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package_parts[: len(package_parts) - node.level + 1] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                names = [f"{module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            offenders += [f"{relative}: {n}" for n in names if n.startswith("mlarope.tools")]
+    assert offenders == []
+
+
 def test_unknown_option_exits_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["info", "--no-such-option"])
