@@ -1,4 +1,5 @@
-"""The error model, element by element: the oracle of the tests and of the stress run.
+"""The error model (docs/design.md, "How exact: the error model"), element by element: the
+oracle of the tests and of the stress run.
 
 A rotated element is ``y = a*c - b*s`` (or ``b*c + a*s``) computed in fp32 from exact inputs and
 fp32 tables, then rounded once to the output dtype. Its error against the fp64 value is at most
