@@ -4,12 +4,14 @@
 #
 #   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
 #                                    [sweep] [sweep_base] [host] [decode] [megatron_tests]
-#   (default: the first six, in that order; sweep = python -m mlarope.sweep, the launch-config
+#   (default: the first six, in that order; sweep = benchmarks/sweep.py, the launch-config
 #   sweep; sweep_base = its heuristic rows for a package copy in .ab/base, an A/B baseline:
-#   copy src/mlarope there, with the current sweep.py, and carry .ab; host = the host-overhead
-#   profile of one decode call, scripts/host_profile.py; decode = the benchmark's decode cases,
-#   ours only; megatron_tests = Megatron-LM's own MLA RoPE tests against mlarope and Megatron,
-#   scripts/megatron_tests.py, with a Megatron-LM checkout in $MEGATRON_LM or .megatron-lm)
+#   copy another commit's src/mlarope there and carry .ab (the current benchmarks/sweep.py runs
+#   against it, so the copy must have the internals it imports); host = the host-overhead
+#   profile of one decode call, benchmarks/host_profile.py; decode = the benchmark's decode
+#   cases, ours only; megatron_tests = Megatron-LM's own MLA RoPE tests against mlarope and
+#   Megatron, scripts/megatron_tests.py, with a Megatron-LM checkout in $MEGATRON_LM or
+#   .megatron-lm)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -65,10 +67,10 @@ for step in "${steps[@]}"; do
     sweep)
       # SWEEP_ARGS: more arguments, e.g. "--heuristic-only --ops q_inplace --cases sbhd".
       # shellcheck disable=SC2086
-      timeout "${SWEEP_SECONDS:-280}" python3 -m mlarope.sweep --label new ${SWEEP_ARGS:-} \
+      timeout "${SWEEP_SECONDS:-280}" python3 benchmarks/sweep.py --label new ${SWEEP_ARGS:-} \
         --json "$OUT/sweep.json" 2>&1 | tail -120 ;;
     sweep_base)
-      PYTHONPATH="$PWD/.ab/base:${PYTHONPATH#*:}" timeout 90 python3 -m mlarope.sweep \
+      PYTHONPATH="$PWD/.ab/base:${PYTHONPATH#*:}" timeout 90 python3 benchmarks/sweep.py \
         --label base --heuristic-only --ops q_inplace,kv,kv_no_v,kv_bwd \
         --json "$OUT/sweep_base.json" 2>&1 | tail -20 ;;
     decode)
@@ -76,7 +78,7 @@ for step in "${steps[@]}"; do
       timeout 150 python3 -m mlarope bench --cases decode --impls mlarope --out "$OUT/decode" \
         2>&1 | grep -E "host <=|floor|targets" ;;
     host)
-      python3 scripts/host_profile.py >"$OUT/host.txt" 2>&1; head -20 "$OUT/host.txt" ;;
+      python3 benchmarks/host_profile.py >"$OUT/host.txt" 2>&1; head -20 "$OUT/host.txt" ;;
     megatron_tests)
       # Megatron-LM's own MLA RoPE test file against mlarope.compat.megatron and against
       # Megatron's kernels (20 processes each, the test bodies repeated, the k_pos_emb gradient

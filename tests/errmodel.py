@@ -1,7 +1,7 @@
-"""The tests' oracle: DESIGN.md's error model lives in ``mlarope.testing`` (the stress run uses
+"""The tests' oracle: the error model lives in ``mlarope.tools.errmodel`` (the stress run uses
 it too); this module re-exports it for the tests."""
 
-from mlarope.testing import (  # noqa: F401
+from mlarope.tools.errmodel import (  # noqa: F401
     U32,
     assert_close_elementwise,
     join_pairs,

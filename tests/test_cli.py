@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from mlarope import cli
+from mlarope.tools import cli
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_help_lists_every_command(capsys):
@@ -77,7 +80,7 @@ def test_commands_run_without_rich(command):
     """rich is an extra (``mlarope[bench]``): without it the commands print plain text."""
     code = (
         "import sys; sys.modules['rich'] = None\n"  # any import of rich now raises ImportError
-        "from mlarope.cli import main\n"
+        "from mlarope.tools.cli import main\n"
         f"sys.exit(main({command!r}))\n"
     )
     result = _run(["-c", code], drop=("TRITON_INTERPRET",))
@@ -90,7 +93,7 @@ def test_commands_say_why_without_triton():
     still runs and ``stress`` exits 2 with the reason instead of a traceback."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "from mlarope.cli import main\n"
+        "from mlarope.tools.cli import main\n"
         "print('info', main(['info']))\n"
         "print('stress', main(['stress', '--trials', '1']))\n"
     )
@@ -114,25 +117,54 @@ def test_stress_without_gpu_or_interpreter_exits_2():
 
 
 @pytest.mark.parametrize(
-    "module",
+    "entry",
     [
-        "mlarope",
-        "mlarope.cli",
-        "mlarope.demo",
-        "mlarope.stress",
-        "mlarope.bench",
-        "mlarope.sweep",
-        "mlarope.kernel_report",
+        ["-m", "mlarope"],
+        ["-m", "mlarope.tools.cli"],
+        ["-m", "mlarope.tools.demo"],
+        ["-m", "mlarope.tools.stress"],
+        ["-m", "mlarope.tools.bench"],
+        [str(BENCHMARKS / "sweep.py")],
+        [str(BENCHMARKS / "kernel_report.py")],
     ],
+    ids=lambda entry: entry[-1].replace(str(BENCHMARKS), "benchmarks"),
 )
-def test_every_module_entry_point_has_help(module):
-    """``python -m <module> --help`` explains and exits 0 without running anything
-    (``mlarope.kernel_report --help`` used to compile and print the report;
-    ``mlarope.demo`` and ``mlarope.stress`` printed nothing)."""
-    result = _run(["-m", module, "--help"], drop=("TRITON_INTERPRET",))
+def test_every_module_entry_point_has_help(entry):
+    """``python -m <module> --help`` and ``python benchmarks/<script> --help`` explain and exit
+    0 without running anything (the kernel report's ``--help`` used to compile and print the
+    report; the demo's and the stress run's module entry points printed nothing)."""
+    result = _run([*entry, "--help"], drop=("TRITON_INTERPRET",))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("usage: ")
     assert "| kernel |" not in result.stdout
+
+
+def test_library_does_not_import_the_tools():
+    """The package's commands sit beside the library: no module outside ``mlarope.tools``
+    (``python -m mlarope``'s ``__main__`` aside) imports them, at the top or in a function."""
+    import ast
+
+    import mlarope
+
+    package = Path(mlarope.__file__).parent
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package)
+        if relative.parts[0] == "tools" or relative == Path("__main__.py"):
+            continue
+        # The package a relative import starts from (``a/b.py`` and ``a/__init__.py``: ``a``).
+        package_parts = ["mlarope", *relative.with_suffix("").parts][:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package_parts[: len(package_parts) - node.level + 1] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                names = [f"{module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            offenders += [f"{relative}: {n}" for n in names if n.startswith("mlarope.tools")]
+    assert offenders == []
 
 
 def test_unknown_option_exits_2(capsys):

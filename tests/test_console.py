@@ -1,4 +1,4 @@
-"""The command-line tools' output (``mlarope._console``): plain text off a terminal."""
+"""The command-line tools' output (``mlarope.tools._console``): plain text off a terminal."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from mlarope._console import Console, Table, rich_console
+from mlarope.tools._console import Console, Table, rich_console
 
 
 def _table() -> Table:

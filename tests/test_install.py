@@ -41,15 +41,19 @@ def _run(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 600
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> tuple[Path, str]:
-    """``(wheel path, build output)``, built by pip from a copy of the sources pip would pack."""
+    """``(wheel path, build output)``, built by pip from a copy of the sources pip would pack,
+    with ``benchmarks/`` beside them as in a checkout (the wheel must leave it out)."""
     tmp = tmp_path_factory.mktemp("wheel")
     source = tmp / "source"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(
-        ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
-    )
+    for folder in ("src", "benchmarks"):
+        shutil.copytree(
+            ROOT / folder,
+            source / folder,
+            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"),
+        )
     out = _run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp / "dist"), str(source)],
         cwd=tmp,
@@ -73,6 +77,9 @@ def test_wheel_metadata(wheel):
     core = sorted(r for r in requires if "extra ==" not in r)
     assert core == ["numpy", "torch>=2.6", "triton>=3.6"]
     assert "mlarope/py.typed" in names and "mlarope/kernels/_triton_compat.py" in names
+    # The commands a user runs are in the package; the GPU lane's tooling is not.
+    assert "mlarope/tools/cli.py" in names and "mlarope/tools/bench/__main__.py" in names
+    assert not [n for n in names if n.startswith("benchmarks/") or "sweep" in n], names
 
 
 def test_wheel_in_a_fresh_environment(wheel, tmp_path):

@@ -1,4 +1,5 @@
-"""What the compiler makes of the kernels for sm_90a (no GPU needed: Triton's bundled ptxas).
+"""What the compiler makes of the kernels for sm_90a (``benchmarks/kernel_report.py``; no GPU
+needed: Triton's bundled ptxas).
 
 Guards the code generation that the performance and race-freedom arguments rest on: 16-byte
 vector loads and stores, no register spills, and the in-place kernel's CTA barrier surviving
@@ -11,8 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_report.py"
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +24,8 @@ def report() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     result = subprocess.run(
-        [sys.executable, "-m", "mlarope.kernel_report"], capture_output=True, text=True,
-        env=env, timeout=600,
-    )  # fmt: skip
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=600
+    )
     if result.returncode != 0 and "ptxas is not at" in result.stderr:
         pytest.skip("Triton's bundled ptxas is not available on this platform")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -49,7 +52,7 @@ def test_rows_move_as_16_byte_vectors(report, name):
 
 
 _BARRIERS = """
-from mlarope.kernel_report import compile_report
+from benchmarks.kernel_report import compile_report
 from mlarope.kernels.q import _rope_q_kernel, choose_q_config
 
 c = choose_q_config(16384, 128, 128, 64, True)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mlarope import stress
+from mlarope.tools import stress
 
 
 def _args(tmp_path, device, trials=3, control=1) -> argparse.Namespace:

@@ -136,7 +136,7 @@ def test_key_value_kernels_run_under_a_strict_interpreter(case, strict_interpret
 def test_racy_control_runs_under_a_strict_interpreter(strict_interpreter):
     """The stress harness's negative control also runs on the CPU lane (its loops have run-time
     bounds: the linear scan over the sequences)."""
-    from mlarope.kernels.racy_control import racy_rope_inplace
+    from mlarope.tools.racy_control import racy_rope_inplace
 
     cos, sin = _tables()
     x = torch.randn(7, 2, 32).to(torch.bfloat16)

@@ -1,7 +1,7 @@
-"""``python -m mlarope`` (see :mod:`mlarope.cli`)."""
+"""``python -m mlarope`` (see :mod:`mlarope.tools.cli`)."""
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

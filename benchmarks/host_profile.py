@@ -1,6 +1,6 @@
 """Where the host time of one eager decode call goes (GPU lane; docs/benchmarks.md).
 
-    PYTHONPATH=src python3 scripts/host_profile.py [--by-size]
+    PYTHONPATH=src python3 benchmarks/host_profile.py [--by-size]
 
 Prints the wall-clock per call, in a loop with one sync at the end, of: the public API for one
 decode token at DeepSeek-V3 shapes (repeated calls: the launch-plan path, mlarope._plans); the
@@ -22,12 +22,11 @@ import triton.language as tl
 
 import mlarope
 from mlarope import _checks, _plans
-from mlarope.bench import host_us_per_call
-from mlarope.kernels import q as q_kernels
-from mlarope.kernels._launch import DirectLauncher
+from mlarope.kernels._launch import DirectLauncher, recording
 from mlarope.kernels.kv import rope_kv_launch
 from mlarope.kernels.q import rope_q_launch
 from mlarope.positions import Positions
+from mlarope.tools.bench.timers import host_us_per_call
 
 
 @triton.jit
@@ -36,8 +35,8 @@ def _empty(x_ptr, BLOCK: tl.constexpr):
 
 
 def per_call_us(fn, calls: int = 1000, repeats: int = 5) -> float:
-    """The benchmark's host measurement (``mlarope.bench.host_us_per_call``), warmed up with
-    200 calls."""
+    """The benchmark's host measurement (``host_us_per_call`` of ``mlarope.tools.bench.timers``),
+    warmed up with 200 calls."""
     return host_us_per_call(fn, torch.cuda.synchronize, calls, repeats, warmup=200)
 
 
@@ -55,17 +54,15 @@ def main() -> None:
     x = torch.zeros(1, device=dev)
     empty_direct = DirectLauncher(_empty)
     rope_q_launch(q, q, cos, sin, pos, inverse=False, transpose=False, **flags)
-    q_key_args = None
-
-    def capture(grid, num_warps, *args):  # the q launch's arguments, for timing the key
-        nonlocal q_key_args
-        q_key_args = (num_warps, *args)
-
-    real, q_kernels._launch_q = q_kernels._launch_q, capture
-    rope_q_launch(q, q, cos, sin, pos, inverse=False, transpose=False, **flags)
-    q_kernels._launch_q = real
-    key = real._key
-    backend = real._backend
+    # The query kernel's launcher and arguments, for timing its launch key alone: recording()
+    # returns every launch this thread makes through a DirectLauncher (with position_ids, one).
+    # The key function and the backend it takes have no public name: they are what is timed.
+    with recording() as launches:
+        rope_q_launch(q, q, cos, sin, pos, inverse=False, transpose=False, **flags)
+    ((q_launch, q_args),) = launches
+    q_key_args = (q_launch.num_warps, *q_args)
+    key = q_launch.launcher._key
+    backend = q_launch.launcher._backend
     mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids, inplace=True)
     q_signature = _plans.query_signature(
         q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False, False

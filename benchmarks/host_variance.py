@@ -10,7 +10,7 @@ it makes) and callables, timed with its host loop (5 loops of 1,000 calls, every
 - ``gc frozen``: collector on, every existing object moved out of its reach (``gc.freeze()``);
 - ``empty x2``: the two ``torch.empty`` of the key/value outputs alone.
 
-    PYTHONPATH=src python3 scripts/host_variance.py
+    PYTHONPATH=src python3 benchmarks/host_variance.py
 """
 
 from __future__ import annotations
@@ -21,11 +21,15 @@ import statistics
 
 import torch
 
-from mlarope import bench
+from mlarope.tools import bench
+from mlarope.tools.bench.cases import full_suite, make_inputs, make_positional, rotation_sets
+from mlarope.tools.bench.impls import Builders
+from mlarope.tools.bench.model import OPS_BY_KEY, spec_bytes
+from mlarope.tools.bench.timers import CudaTimer, host_loops
 
 
 def loops(fn, sync) -> list[float]:
-    return bench.host_loops(fn, sync, calls=1000, repeats=5)
+    return host_loops(fn, sync, calls=1000, repeats=5)
 
 
 def show(label: str, values: list[float]) -> None:
@@ -38,19 +42,19 @@ def main() -> None:
     bench.add_arguments(parser)
     args = parser.parse_args([])
     device = torch.device("cuda")
-    timer = bench.CudaTimer(args, device)
-    suite = bench.full_suite()
-    builders = bench.Builders(suite, "default", None)
+    timer = CudaTimer(args, device)
+    suite = full_suite()
+    builders = Builders(suite, "default", None)
     gen = torch.Generator().manual_seed(0)
     sync = timer.sync
     print(f"host floor: {timer.host_floor()}")
     for case in (c for c in suite.cases if c.decode):
-        pos = bench.make_positional(suite, case, device, gen)
+        pos = make_positional(suite, case, device, gen)
         for key in ("q_inplace_fwd", "q_fwd", "kv_fwd", "kv_fwd_no_copy_v"):
-            spec = bench.OPS_BY_KEY[key]
-            nbytes = bench.spec_bytes(spec, case.tokens, suite.dims)
-            sets = bench.rotation_sets(nbytes, timer.l2_bytes, timer.max_graph_calls)
-            inputs = bench.make_inputs(suite, case, spec, device, sets)
+            spec = OPS_BY_KEY[key]
+            nbytes = spec_bytes(spec, case.tokens, suite.dims)
+            sets = rotation_sets(nbytes, timer.l2_bytes, timer.max_graph_calls)
+            inputs = make_inputs(suite, case, spec, device, sets)
             calls = [builders.mlarope(spec, inp, pos) for inp in inputs]
             print(f"{case.key} {key} ({sets} input sets)", flush=True)
             show("fresh", loops(calls[0], sync))

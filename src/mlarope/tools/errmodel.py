@@ -1,4 +1,5 @@
-"""DESIGN.md's error model, element by element: the oracle of the tests and the stress run.
+"""The error model (docs/design.md, "How exact: the error model"), element by element: the
+oracle of the tests and of the stress run.
 
 A rotated element is ``y = a*c - b*s`` (or ``b*c + a*s``) computed in fp32 from exact inputs and
 fp32 tables, then rounded once to the output dtype. Its error against the fp64 value is at most
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .positions import token_positions
-from .reference import gather_tables
+from mlarope.positions import token_positions
+from mlarope.reference import gather_tables
 
 U32 = 2.0**-24
 _PRECISION = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}

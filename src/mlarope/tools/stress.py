@@ -4,10 +4,11 @@ Each trial draws an op (query or key/value), a layout and position source (sbhd,
 ``cu_seqlens`` incl. empty and one-token sequences and a padded tail, explicit ids, context
 parallel ranks), a shape, dtypes, interleaving, in place or not, and a launch configuration
 (the heuristic's or another valid tiling); it runs forward and backward through the launchers
-with NaN-poisoned outputs and counts the elements outside DESIGN.md's error model.
+with NaN-poisoned outputs and counts the elements outside the error model
+(:mod:`mlarope.tools.errmodel`).
 
 The negative control runs the deliberately racy in-place kernel
-(:mod:`mlarope.kernels.racy_control`) through the same comparison, to show that the harness
+(:mod:`mlarope.tools.racy_control`) through the same comparison, to show that the harness
 sees races where they exist. The interpreter runs programs one after another, so there the
 control cannot race; its failure rate is a GPU figure.
 """
@@ -26,11 +27,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import reference
-from .kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
-from .kernels.q import QLaunchConfig, rope_q_launch
-from .positions import Positions
-from .testing import poisoned_like, rope_tolerance, wrong_elements
+from mlarope import reference
+from mlarope.kernels._triton_compat import INTERPRETED
+from mlarope.kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
+from mlarope.kernels.q import QLaunchConfig, rope_q_launch
+from mlarope.positions import Positions
+
+from ._console import Console, Table
+from .errmodel import poisoned_like, rope_tolerance, wrong_elements
+from .racy_control import racy_rope_inplace
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -248,8 +253,6 @@ def run_control_trial(
     pairs fill one warp (32 lanes, one pair each), so every load and store of a row is in one
     warp and the missing barrier cannot show; at ``rope = 128`` a row spans two warps, which is
     the incumbent's cross-warp race (docs/race.md)."""
-    from .kernels.racy_control import racy_rope_inplace
-
     on_gpu = torch.device(device).type == "cuda"
     n_seqs, heads = (64, 32) if on_gpu else (4, 4)
     lens = torch.randint(1, 12, (n_seqs,), generator=gen, device=device)
@@ -371,8 +374,6 @@ def _device_problem(device: str) -> str | None:
         return None
     if kind != "cpu":
         return f"--device must be cuda or cpu, got {device!r}"
-    from .kernels._triton_compat import INTERPRETED
-
     if not INTERPRETED:
         return (
             ("no CUDA device; " if not torch.cuda.is_available() else "")
@@ -387,8 +388,6 @@ def run(args: argparse.Namespace) -> int:
     """Exit code 0 when every requested trial of ours ran with 0 wrong elements; 1 when a trial
     failed or ``--max-seconds`` stopped the run before all trials ran; 2 when the kernels
     cannot run on the device (no CUDA device and no interpreter, an unknown device)."""
-    from ._console import Console, Table
-
     console = Console()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     problem = _device_problem(device)
@@ -481,7 +480,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mlarope.stress`` (the same as ``python -m mlarope stress``)."""
+    """``python -m mlarope.tools.stress`` (the same as ``python -m mlarope stress``)."""
     parser = argparse.ArgumentParser(prog="python -m mlarope stress", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

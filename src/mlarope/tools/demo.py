@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import mlarope
 from mlarope.ops import use_triton
 
+from ._console import Console, Table
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
@@ -72,8 +74,6 @@ def _time(fn, device, repeats=20) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._console import Console, Table
-
     console = Console()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mlarope.demo`` (the same as ``python -m mlarope demo``)."""
+    """``python -m mlarope.tools.demo`` (the same as ``python -m mlarope demo``)."""
     parser = argparse.ArgumentParser(prog="python -m mlarope demo", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_compat import loop_bound
+from mlarope.kernels._triton_compat import loop_bound
 
 
 @triton.jit

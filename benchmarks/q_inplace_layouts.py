@@ -1,14 +1,14 @@
 """The in-place query kernel by pair layout, direction and tile (GPU lane; docs/perf_log.md, v10).
 
-Run Z found the in-place forward (interleaved in, half-split out) at 168 µs with 1 and 4
-sequences against 159 µs for the backward (half-split in, interleaved out) and for the forward
+The benchmark once found the in-place forward (interleaved in, half-split out) about 9 µs slower
+with 1 and 4 sequences than the backward (half-split in, interleaved out) and than the forward
 at 64-4,096 sequences. This times the kernel alone (``rope_q_launch`` onto itself, positions
 precomputed outside the timed call for thd) at DeepSeek-V3 shapes, with ``do_bench`` (L2
 flushed before every call): with ``--layouts``, every (interleaved_in, interleaved_out,
 transpose) with the heuristic's tile; by default, the forward's and the backward's layouts
 (interleaved -> half-split and back) with the heuristic's tile and the candidates in CONFIGS.
 
-    PYTHONPATH=src python3 scripts/q_inplace_layouts.py [--layouts]
+    PYTHONPATH=src python3 benchmarks/q_inplace_layouts.py [--layouts]
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ import itertools
 import torch
 from triton.testing import do_bench
 
-from mlarope import YarnConfig, sweep
+import sweep  # benchmarks/sweep.py: this script's folder is first on sys.path
+from mlarope import YarnConfig
 from mlarope.kernels import lookup
 from mlarope.kernels.q import QLaunchConfig, choose_q_config, rope_q_launch
 from mlarope.positions import Positions
 
 TOKENS, HEADS, NOPE, ROPE = 16384, 128, 128, 64
-# (block_t, block_h, block_n, num_warps) candidates beside the heuristic: the heuristic of
-# runs Y-Z, (1, 64, 64, 2) with loaded positions and (1, 128, 64, 4) without, and the best of
-# the sweep of run Z5 (docs/perf_log.md, v10).
+# (block_t, block_h, block_n, num_warps) candidates beside the heuristic: the heuristic before
+# v10, (1, 64, 64, 2) with loaded positions and (1, 128, 64, 4) without, and the fastest tiles
+# of the sweep with the search in the call (docs/perf_log.md, v10).
 CONFIGS = [(1, 32, 64, 1), (1, 16, 64, 1), (1, 64, 64, 1), (1, 64, 64, 2), (1, 128, 64, 4)]
 
 

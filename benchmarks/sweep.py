@@ -1,4 +1,4 @@
-"""``python -m mlarope.sweep``: launch-configuration sweep of the kernels on the GPU.
+"""``python benchmarks/sweep.py``: launch-configuration sweep of the kernels on the GPU.
 
 The benchmark (``python -m mlarope bench``) times what users get: the public API with the
 heuristic launch configurations. This times the launchers directly, at DeepSeek-V3 shapes
@@ -28,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
-from .kernels.lookup import launch_cu_seqlens_search, position_args, search_cu_seqlens
-from .kernels.q import QLaunchConfig, rope_q_launch
-from .positions import Positions
-from .yarn import YarnConfig
+from mlarope import YarnConfig
+from mlarope.kernels.kv import KVLaunchConfig, rope_kv_backward_launch, rope_kv_launch
+from mlarope.kernels.lookup import launch_cu_seqlens_search, position_args, search_cu_seqlens
+from mlarope.kernels.q import QLaunchConfig, rope_q_launch
+from mlarope.positions import Positions
 
 HEADS, NOPE, ROPE, K_DIM, V_DIM, TOKENS = 128, 128, 64, 128, 128, 16384
 
@@ -52,8 +52,8 @@ KV_BWD_CONFIGS = [
     None, (1, 16, 128, 2), (1, 8, 128, 1), (1, 16, 128, 4), (1, 32, 128, 2), (1, 32, 128, 4),
     (2, 16, 128, 4), (1, 64, 128, 8),
 ]  # fmt: skip
-# (tokens per program, num_warps) of the cu_seqlens search kernel.
-# Run U measured all but (16, 1) (added after it; not yet run on a GPU).
+# (tokens per program, num_warps) of the cu_seqlens search kernel: from 256-token 4-warp programs
+# down to 16-token one-warp ones; the heuristic's is (32, 1).
 SEARCH_CONFIGS = [(256, 4), (128, 4), (128, 2), (64, 2), (64, 1), (32, 1), (16, 1)]
 OPS = {
     "q_inplace": Q_INPLACE_CONFIGS,
@@ -195,9 +195,9 @@ def _copy_kv_bwd_pattern(dk_ptr, dv_ptr, dkv_ptr, sums_ptr, n_rows, K: tl.conste
                          V: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
     """The key/value backward's row bytes with the least arithmetic: for a block of (token,
     head) rows, ``dkv[r] = [dk[r, :K], dv[r]]``, and ``dk[r, K:]`` summed over the block into
-    one fp32 row of ``sums`` (the head sum's input must be read: an unused load is dropped by
-    the compiler, as run S's first version of this kernel showed). K, V and R are powers of
-    two (``tl.arange``)."""
+    one fp32 row of ``sums`` (the head sum's input must be read: the compiler drops a load whose
+    value is unused, and the pattern would then move fewer bytes than the op and read above
+    the op's ceiling). K, V and R are powers of two (``tl.arange``)."""
     pid = tl.program_id(0)
     r = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     m = (r < n_rows)[:, None]
@@ -292,7 +292,7 @@ def ceilings(device) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlarope.sweep", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python benchmarks/sweep.py", description=__doc__)
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma list of {list(OPS)}")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
     parser.add_argument(
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("mlarope.sweep needs a CUDA device", file=sys.stderr)
+        print("benchmarks/sweep.py needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     ceiling = ceilings(device)

@@ -1,4 +1,4 @@
-"""``python -m mlarope``: demo, stress, bench and info.
+"""``python -m mlarope`` and the ``mlarope`` command: demo, stress, bench and info.
 
 Exit codes: 0 success; 1 a check failed (wrong elements, a missed correctness check); 2 bad
 usage (argparse), or the command cannot run here (``bench`` without a CUDA device, ``stress``
@@ -13,11 +13,27 @@ import importlib
 import os
 import sys
 
+import torch
+
+import mlarope
+from mlarope import _plans
+
+from ._console import Console, Table
+
 COMMANDS = {
-    "demo": ("mlarope.demo", "a DeepSeek-V3-shaped MLA attention step through mlarope, checked"),
-    "stress": ("mlarope.stress", "randomized trials against the fp64 reference + racy control"),
-    "bench": ("mlarope.bench", "GPU benchmark against the copy ceiling, reference and Megatron"),
-    "info": ("mlarope.cli", "versions, backend and device"),
+    "demo": (
+        "mlarope.tools.demo",
+        "a DeepSeek-V3-shaped MLA attention step through mlarope, checked",
+    ),
+    "stress": (
+        "mlarope.tools.stress",
+        "randomized trials against the fp64 reference + racy control",
+    ),
+    "bench": (
+        "mlarope.tools.bench",
+        "GPU benchmark against the copy ceiling, reference and Megatron",
+    ),
+    "info": ("mlarope.tools.cli", "versions, backend and device"),
 }
 
 
@@ -27,12 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``info``: print versions, the backend each device would use, and the devices present."""
-    import torch
-
-    import mlarope
-    from mlarope import _plans
-    from mlarope._console import Console, Table
-
     table = Table(title="mlarope info", show_header=False)
     table.add_column("item")
     table.add_column("value")

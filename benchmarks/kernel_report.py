@@ -1,6 +1,6 @@
 """Compile the kernels for an H100/H200 (sm_90a) without a GPU and report what the compiler made.
 
-``python -m mlarope.kernel_report`` prints, per kernel at DeepSeek-V3 shapes: registers per
+``python benchmarks/kernel_report.py`` prints, per kernel at DeepSeek-V3 shapes: registers per
 thread and spill bytes (from ``ptxas -v``), shared memory, and the memory instruction mix of
 the PTX (global loads and stores, how many are 16-byte vectors, barriers, shared-memory
 stores, 64-bit divisions). Pointers and the strides that a real launch sees as multiples of 16
@@ -17,6 +17,19 @@ import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mlarope.kernels.kv import (
+    _rope_kv_bwd_kernel,
+    _rope_kv_fwd_kernel,
+    choose_kv_backward_config,
+    choose_kv_config,
+)
+from mlarope.kernels.lookup import SEARCH_BLOCK, SEARCH_WARPS, _cu_seqlens_search_kernel
+from mlarope.kernels.q import _rope_q_kernel, choose_q_config
 
 PATTERNS = {
     "ld.global": r"ld\.global",
@@ -52,10 +65,6 @@ def _ptxas() -> str:
 
 def compile_report(fn, pointer_types: dict, constexprs: dict, num_warps: int, name: str):
     """Compile ``fn`` for sm_90a with the given pointer dtypes and constexprs -> KernelReport."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     signature = {
         arg: "constexpr" if arg in constexprs else pointer_types.get(arg, "i32")
         for arg in fn.arg_names
@@ -94,15 +103,6 @@ def compile_report(fn, pointer_types: dict, constexprs: dict, num_warps: int, na
 def deepseek_v3_reports() -> list[KernelReport]:
     """The kernels with the launch configuration the heuristics pick at DeepSeek-V3 shapes
     (H = 128, N = 128, R = 64, K = V = 128, bf16, fp32 tables)."""
-    from .kernels.kv import (
-        _rope_kv_bwd_kernel,
-        _rope_kv_fwd_kernel,
-        choose_kv_backward_config,
-        choose_kv_config,
-    )
-    from .kernels.lookup import SEARCH_BLOCK, SEARCH_WARPS, _cu_seqlens_search_kernel
-    from .kernels.q import _rope_q_kernel, choose_q_config
-
     # ids_ptr: the int64 positions the cu_seqlens search kernel writes (thd rows).
     tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "ids_ptr": "*i64"}
     reports = []
@@ -149,9 +149,9 @@ def deepseek_v3_reports() -> list[KernelReport]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mlarope.kernel_report``: print the report as a Markdown table."""
+    """``python benchmarks/kernel_report.py``: print the report as a Markdown table."""
     parser = argparse.ArgumentParser(
-        prog="python -m mlarope.kernel_report",
+        prog="python benchmarks/kernel_report.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
