@@ -3,6 +3,7 @@
 Public API (see DESIGN.md and docs/):
 
 - :class:`YarnConfig`: RoPE / YaRN tables, exact to fp32 rounding;
+- :class:`RopeConfig`: the tables of every rope type transformers knows (``from_hf(config)``);
 - :func:`apply_rope_q`: rotate the rope tail of queries ``[..., H, N + R]``;
 - :func:`apply_rope_kv`: split ``kv`` and attach the rotated shared ``k_pe`` to every head;
 - :mod:`mlarope.reference`: the same semantics in plain PyTorch.
@@ -24,9 +25,17 @@ from .ops import (
     rope_q_inplace_impl,
     use_triton,
 )
+from .rope import RopeConfig
 from .yarn import YarnConfig
 
-__all__ = ["YarnConfig", "__version__", "apply_rope_kv", "apply_rope_q", "reference"]
+__all__ = [
+    "RopeConfig",
+    "YarnConfig",
+    "__version__",
+    "apply_rope_kv",
+    "apply_rope_q",
+    "reference",
+]
 __version__ = "0.1.0"
 
 
