@@ -77,7 +77,8 @@ BASE = dict(
     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
     qk_nope_head_dim=16, qk_rope_head_dim=32, v_head_dim=16, max_position_embeddings=256,
     pad_token_id=0, bos_token_id=1, eos_token_id=2, moe_intermediate_size=32,
-    n_routed_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1, n_shared_experts=1,
+    n_routed_experts=4, num_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1,
+    n_shared_experts=1,
     first_k_dense_replace=1, index_topk=8, index_head_dim=48, index_n_heads=2,
     # Larger than the default 0.02, so that attention scores, and with them the rotation, move
     # the outputs well above bf16 noise (the negative control measures it).
@@ -99,14 +100,17 @@ OVERRIDES = {
     ),
     "glm5_next_text": dict(
         index_topk=16, qk_rope_head_dim=0, linear_head_dim=16, linear_num_heads=4,
-        layer_types=["linear_attention", "indexed_attention"],
+        layer_types=["linear_attention", "full_attention"],  # the MLA (DSA) layer, any release
     ),
     # MRoPE sections must sum to qk_rope_head_dim // 2.
     "hy_v4_vl_text": dict(
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5]}
     ),
-    # Its rotary width is head_dim, a field of its own.
-    "longcat_flash": dict(head_dim=32),
+    # Its rotary width is head_dim, a field of its own; its layers (two MLA each) are num_layers.
+    "longcat_flash": dict(
+        head_dim=32, num_layers=1, ffn_hidden_size=96, expert_ffn_hidden_size=32, moe_topk=4,
+        zero_expert_num=0,
+    ),
 }
 # fmt: on
 
@@ -128,6 +132,12 @@ def tiny_model(row: mt.FamilyStatus, dtype: torch.dtype, device, *, seed: int = 
     config._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
     names = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES)
     model_class = getattr(transformers, next(m[model_type] for m in names if model_type in m))
+    with torch.device("meta"):  # a config that ignores the small widths must not fill the RAM
+        size = sum(p.numel() for p in model_class(config).parameters())
+    assert size < 2_000_000, (
+        f"the tiny {model_type} model has {size} parameters: its config ignores a width in BASE "
+        f"or OVERRIDES (this transformers release names it differently)"
+    )
     torch.manual_seed(seed)
     model = model_class(config)
     with torch.no_grad():
@@ -365,10 +375,14 @@ def test_family_matches_transformers(family, dtype, device, monkeypatch):
     counter = CallCounter(monkeypatch, family)
     unpatched = counter.expected(lambda: run(model, ids, pos))
     assert counter.rotated > 0, "the tiny model called none of the family's rotary functions"
+    # Bit for bit on the CPU (below), except DeepSeek-V2's complex product: one PyTorch kernel
+    # whose rounding depends on the layout (a vectorised path may fuse the multiply-add), within
+    # a few fp32 units of mlarope's.
+    bitwise = cpu and not any(m.complex_freqs for m in _patch.family(family).mappings.values())
     # The fp64 run measures the model's own rounding noise: what the comparison is bounded by
-    # where it cannot be bitwise (the GPU lane, and bf16, where mlarope's one rounding differs
-    # from transformers' three).
-    truth = run(model64, ids, pos) if not (fp32 and cpu) else None
+    # where it is not bitwise (the GPU lane; bf16, where mlarope's one rounding differs from
+    # transformers' three; DeepSeek-V2).
+    truth = None if fp32 and bitwise else run(model64, ids, pos)
     nearest = (
         None if fp32 else run_emulated(monkeypatch, family, False, lambda: run(model, ids, pos))
     )
@@ -389,7 +403,7 @@ def test_family_matches_transformers(family, dtype, device, monkeypatch):
         what = f"{family} {backend} {dtype}"
         if not fp32:
             assert_bf16_close(patched, (unpatched, nearest), truth, what)
-        if not cpu:
+        if not bitwise:
             if fp32:
                 assert_fp32_close(patched, unpatched, truth, what)
             continue
@@ -673,12 +687,15 @@ def test_apply_by_model_name_alias_and_all(device):
     assert all(getattr(module, n) is f for n, f in original.items())
 
     # a config-only family and a text model type select the family whose code they run
-    assert mt.apply_mlarope("sarvam_mla") == ("deepseek_v3",)
-    assert mt.is_mlarope_applied("deepseek_v3") and mt.is_mlarope_applied("sarvam_mla")
-    mt.revert_mlarope("deepseek_v3")
-    assert not mt.is_mlarope_applied("sarvam_mla")
-    assert mt.apply_mlarope("dots3_note_text") == ("dots3_note",)
-    mt.revert_mlarope("dots3_note")
+    # (transformers 5.24; earlier releases have neither)
+    if "sarvam_mla" in REPORT:
+        assert mt.apply_mlarope("sarvam_mla") == ("deepseek_v3",)
+        assert mt.is_mlarope_applied("deepseek_v3") and mt.is_mlarope_applied("sarvam_mla")
+        mt.revert_mlarope("deepseek_v3")
+        assert not mt.is_mlarope_applied("sarvam_mla")
+    if "dots3_note" in REPORT:
+        assert mt.apply_mlarope("dots3_note_text") == ("dots3_note",)
+        mt.revert_mlarope("dots3_note")
 
     with mt.mlarope_patched(model):
         assert mt.is_mlarope_applied("glm4_moe_lite")
@@ -690,7 +707,7 @@ def test_apply_by_model_name_alias_and_all(device):
     assert all(row.applied for row in mt.family_report() if row.status == "patched")
     mt.revert_mlarope_all()
     assert not any(row.applied for row in mt.family_report())
-    assert set(mt.SUPPORTED_MODEL_TYPES) >= {"deepseek_v3", "sarvam_mla", "glm4_moe_lite"}
+    assert set(mt.SUPPORTED_MODEL_TYPES) >= {"deepseek_v3", "glm4_moe_lite"}
     assert not {"glm5_next", "kimi_linear"} & set(mt.SUPPORTED_MODEL_TYPES)
 
 
@@ -720,6 +737,7 @@ def test_what_cannot_be_patched_says_why(device):
     assert not any(row.applied for row in mt.family_report())
 
 
+@pytest.mark.skipif("mistral_large4" not in REPORT, reason="no mistral_large4 in this transformers")
 def test_mistral_large4_learnable_alpha_falls_back_in_training(device, monkeypatch):
     """With its learnable rope scale trainable, mistral_large4's tables require grad: the
     attention's rotation runs transformers' own function (mlarope does not differentiate tables)
