@@ -724,6 +724,8 @@ def test_what_cannot_be_patched_says_why(device):
         mt.mlarope_patched("llama")
     with pytest.raises(TypeError, match=r"target must be a torch\.nn\.Module.*got int"):
         mt.apply_mlarope(3)
+    with pytest.raises(TypeError, match="pass the model once"):
+        mt.mlarope_patched(torch.nn.Linear(2, 2), model=torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="has no MLA attention layer"):
         mt.apply_mlarope(torch.nn.Linear(2, 2))
     wide = tiny_model(REPORT["minicpm3"], torch.float32, device)

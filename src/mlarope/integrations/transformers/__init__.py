@@ -95,7 +95,7 @@ class FamilyStatus:
     model_types: tuple[str, ...]  # names that select it (apply_mlarope("..."))
     attention: tuple[str, ...]  # its MLA attention classes
     status: str  # "patched", "not patched" or "nothing to patch"
-    reason: str  # why not; for a config-only family, which family's code it runs
+    reason: str  # why not ("" when patched)
     functions: tuple[FunctionStatus, ...]
     runs_on: str | None  # a config-only family: the family whose code it runs
     applied: bool  # the patch is in place now
@@ -292,8 +292,9 @@ def apply_mlarope_to_all() -> tuple[str, ...]:
 
 
 def revert_mlarope_all() -> None:
-    """Release every :func:`apply_mlarope` / ``apply_mlarope_to_*`` hold."""
-    _patch.revert(_patch.families())
+    """Release every :func:`apply_mlarope` / ``apply_mlarope_to_*`` hold (families held only by
+    an open :func:`mlarope_patched` block stay patched until it exits)."""
+    _patch.revert([_patch.family(name) for name in _patch.held_by_apply()])
 
 
 def is_mlarope_applied(model_type: str = "deepseek_v3") -> bool:
@@ -322,6 +323,8 @@ def mlarope_patched(
     if isinstance(model_type, str):
         fams = _with_model(_patch.family(model_type), model)
     else:
+        if model is not None:
+            raise TypeError("mlarope_patched: pass the model once (model_type=model, or a name)")
         fams = _select(model_type, "model_type")
     return _block(fams)
 

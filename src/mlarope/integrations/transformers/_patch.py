@@ -251,6 +251,12 @@ def is_applied(fam: Family) -> bool:
         return bool(fam.mappings) and all(_ours(module, n) for n in fam.mappings)
 
 
+def held_by_apply() -> list[str]:
+    """The families an ``apply_*`` call holds."""
+    with _LOCK:
+        return sorted(_APPLIED)
+
+
 def apply(fams: list[Family]) -> None:
     """``apply_*``: patch, and hold the patch (once, however often it is called)."""
     with _LOCK:
