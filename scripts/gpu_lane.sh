@@ -4,6 +4,7 @@
 #
 #   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
 #                                    [sweep] [sweep_base] [host] [decode] [megatron_tests]
+#                                    [transformers_layers]
 #   (default: the first six, in that order; sweep = benchmarks/sweep.py, the launch-config
 #   sweep; sweep_base = its heuristic rows for a package copy in .ab/base, an A/B baseline:
 #   copy another commit's src/mlarope there and carry .ab (the current benchmarks/sweep.py runs
@@ -11,7 +12,9 @@
 #   profile of one decode call, benchmarks/host_profile.py; decode = the benchmark's decode
 #   cases, ours only; megatron_tests = Megatron-LM's own MLA RoPE tests against mlarope and
 #   Megatron, scripts/megatron_tests.py, with a Megatron-LM checkout in $MEGATRON_LM or
-#   .megatron-lm)
+#   .megatron-lm; transformers_layers = one real-size attention layer of DeepSeek-V3,
+#   GLM-4.7-Flash and MiniCPM3 through transformers, unpatched and patched,
+#   benchmarks/transformers_layers.py)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -88,6 +91,12 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2086
       timeout "${MEGATRON_SECONDS:-560}" python3 scripts/megatron_tests.py \
         --megatron "${MEGATRON_LM:-.megatron-lm}" --out "$OUT" ${MEGATRON_ARGS:-} 2>&1 | tail -90 ;;
+    transformers_layers)
+      # One real-size transformers attention layer per family (bf16, sequence 4096, sdpa):
+      # forward and training step, unpatched and through mlarope, timed in one process and
+      # checked against the fp32 layer; one file, transformers_layers.md (docs/transformers.md).
+      timeout "${LAYERS_SECONDS:-300}" python3 benchmarks/transformers_layers.py \
+        --out "$OUT/transformers_layers.md" 2>&1 | tail -12 ;;
     compile_debug)
       # Inductor's generated code for the torch.compile tests of the query op (how the CUDA-only
       # compiled-gradient bug was found and its fix checked; docs/gpu_lane.md).

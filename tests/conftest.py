@@ -8,6 +8,7 @@ collection, when no CUDA device is in use (nothing else imports triton before co
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ def _device_name(config) -> str:
 def pytest_configure(config):
     if _device_name(config) == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # `mlarope info` keeps the transformers family report on disk: not in the user's cache.
+    os.environ.setdefault("MLAROPE_CACHE_DIR", tempfile.mkdtemp(prefix="mlarope-test-cache-"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -592,27 +592,48 @@ def test_revert_leaves_a_later_foreign_patch():
         hf_v3.apply_rotary_pos_emb = V3_ORIGINAL["apply_rotary_pos_emb"]
 
 
-def test_self_check_refuses_changed_semantics(monkeypatch):
-    """A transformers whose function no longer means what mlarope assumes is not patched."""
+def test_self_check_refuses_changed_semantics(device, monkeypatch, rope_calls):
+    """A transformers whose function changed is probed again: one that is now another exact
+    rotation (interleaved output, handling unsqueeze_dim) is patched as what it now is; one that
+    is no rotation mlarope has (the opposite angle), or one that cannot run on the probe, is
+    refused and nothing is patched."""
 
     def interleaved_out(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        q_embed, k_embed = V3_ORIGINAL["apply_rotary_pos_emb_interleave"](q, k, cos, sin)
+        args = (q, k, cos, sin, position_ids, unsqueeze_dim)
+        q_embed, k_embed = V3_ORIGINAL["apply_rotary_pos_emb_interleave"](*args)
         half = q.shape[-1] // 2
         relayout = lambda x: torch.stack((x[..., :half], x[..., half:]), -1).flatten(-2)
         return relayout(q_embed), relayout(k_embed)
 
     monkeypatch.setattr(hf_v3, "apply_rotary_pos_emb_interleave", interleaved_out)
-    with pytest.raises(RuntimeError, match="apply_rotary_pos_emb_interleave disagrees"):
+    mt.apply_mlarope_to_deepseek_v3()
+    _, _, q, k = _inputs(device, 1, "fused")
+    q, k = q.detach(), k.detach()
+    cos, sin = _unequal_halves(BATCH, q.shape[-1], device)
+    rope_calls.clear()
+    ours = hf_v3.apply_rotary_pos_emb_interleave(q, k, cos, sin)
+    assert len(rope_calls) == 2
+    for o, t in zip(ours, interleaved_out(q, k, cos, sin), strict=True):
+        torch.testing.assert_close(o, t, rtol=1e-5, atol=1e-5)  # O(1) values, fp32 roundings
+    mt.revert_mlarope_deepseek_v3()
+
+    def opposite_angle(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        return V3_ORIGINAL["apply_rotary_pos_emb"](q, k, cos, -sin, unsqueeze_dim=unsqueeze_dim)
+
+    monkeypatch.setattr(hf_v3, "apply_rotary_pos_emb_interleave", opposite_angle)
+    with pytest.raises(
+        RuntimeError, match="apply_rotary_pos_emb_interleave: no exact mlarope mapping"
+    ):
         mt.apply_mlarope_to_deepseek_v3()
     assert hf_v3.apply_rotary_pos_emb is V3_ORIGINAL["apply_rotary_pos_emb"]  # nothing patched
-    assert hf_v3.apply_rotary_pos_emb_interleave is interleaved_out
+    assert hf_v3.apply_rotary_pos_emb_interleave is opposite_angle
     assert not mt.is_mlarope_applied("deepseek_v3")
 
     def cuda_only(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         raise RuntimeError("this kernel needs a CUDA tensor")
 
     monkeypatch.setattr(hf_v3, "apply_rotary_pos_emb_interleave", cuda_only)
-    with pytest.raises(RuntimeError, match="self-check could not run"):
+    with pytest.raises(RuntimeError, match="it raised on the probe input"):
         mt.apply_mlarope_to_deepseek_v3()
     assert hf_v3.apply_rotary_pos_emb is V3_ORIGINAL["apply_rotary_pos_emb"]
 
@@ -640,7 +661,7 @@ def test_self_check_probes_with_unequal_halves(device, monkeypatch, rope_calls):
     halves, it passed), one that reads both halves (transformers before 5.24) gets a
     replacement that reads both halves too, equal to it on any tables."""
     monkeypatch.setattr(hf_v3, "apply_rotary_pos_emb_interleave", _interleave_reading("second"))
-    with pytest.raises(RuntimeError, match="apply_rotary_pos_emb_interleave disagrees"):
+    with pytest.raises(RuntimeError, match="no exact mlarope mapping"):
         mt.apply_mlarope_to_deepseek_v3()
     assert not mt.is_mlarope_applied("deepseek_v3")
 
@@ -739,7 +760,7 @@ def test_model_argument_is_checked(device):
     with pytest.raises(ValueError, match="qk_rope_head_dim is 16"):
         mt.apply_mlarope_to_deepseek_v3(model=_v3_model(device, rope_interleave=True, rope_dim=16))
     assert not mt.is_mlarope_applied("deepseek_v3")  # a refused call patches nothing
-    with pytest.raises(ValueError, match="model_type must be one of"):
+    with pytest.raises(ValueError, match="model_type must name an MLA family"):
         mt.mlarope_patched("llama").__enter__()
     mt.apply_mlarope_to_deepseek_v3(model=_v3_model(device, rope_interleave=False))
     assert mt.is_mlarope_applied("deepseek_v3")

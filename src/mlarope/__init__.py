@@ -4,6 +4,7 @@ Attention (DeepSeek-V2/V3 and their kin), in PyTorch and Triton.
 Public API (docs/design.md, README.md):
 
 - :class:`YarnConfig`: RoPE / YaRN tables, exact to fp32 rounding;
+- :class:`RopeConfig`: the tables of every rope type transformers knows (``from_hf(config)``);
 - :func:`apply_rope_q`: rotate the rope tail of queries ``[..., H, N + R]``;
 - :func:`apply_rope_kv`: split ``kv`` and attach the rotated shared ``k_pe`` to every head;
 - :mod:`mlarope.reference`: the same semantics in plain PyTorch.
@@ -14,10 +15,12 @@ from __future__ import annotations
 from . import reference
 from ._checks import ROPE_DIMS as SUPPORTED_ROPE_DIMS
 from .api import apply_rope_kv, apply_rope_q
+from .rope import RopeConfig
 from .yarn import YarnConfig
 
 __all__ = [
     "SUPPORTED_ROPE_DIMS",
+    "RopeConfig",
     "YarnConfig",
     "__version__",
     "apply_rope_kv",

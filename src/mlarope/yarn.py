@@ -448,18 +448,6 @@ class YarnConfig:
 
     # ------------------------------------------------------------------ tables
 
-    def _build_tables(self, max_positions: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        # On the CPU in float64 whatever the target device, so every device gets the same bits.
-        inv_freq = self.inv_freq()
-        positions = torch.arange(max_positions, dtype=torch.float64)
-        angles = positions[:, None] * inv_freq[None, :]  # [P, half], one float64 rounding
-        att = self.attention_scaling
-        cos_half = (torch.cos(angles) * att).to(torch.float32)  # the one rounding to fp32
-        sin_half = (torch.sin(angles) * att).to(torch.float32)
-        cos = torch.cat((cos_half, cos_half), dim=-1).to(device)
-        sin = torch.cat((sin_half, sin_half), dim=-1).to(device)
-        return cos, sin
-
     def cos_sin(
         self, max_positions: int, device: torch.device | str | int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,32 +466,57 @@ class YarnConfig:
         """
         p = check_int("max_positions", max_positions, minimum=1, maximum=MAX_POSITIONS)
         dev = _resolve_device(device)
-        key = (self, p, dev)
-        with _cache_lock:
-            hit = _cache.get(key)
-            if hit is not None:
-                cos, sin, cos_version, sin_version = hit
-                if cos._version == cos_version and sin._version == sin_version:
-                    _cache.move_to_end(key)
-                    return cos, sin
-                warnings.warn(
-                    f"a cached cos/sin table of {self!r} (max_positions={p}, device={dev}) was "
-                    "modified in place by a caller; rebuilding it. Clone the tables before "
-                    "modifying them.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                del _cache[key]
-            with torch.no_grad(), torch.inference_mode(False):
-                cos, sin = self._build_tables(p, dev)
-            _cache[key] = (cos, sin, cos._version, sin._version)
-            while len(_cache) > _CACHE_MAX_ENTRIES:
-                _cache.popitem(last=False)
-            return cos, sin
+        return cached_tables(
+            (self, p, dev),
+            lambda: tables_from_inv_freq(self.inv_freq(), self.attention_scaling, p, dev),
+            f"{self!r} (max_positions={p}, device={dev})",
+        )
+
+
+def tables_from_inv_freq(
+    inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin: [P, 2 * half]`` fp32 from float64 ``inv_freq: [half]``: the angles
+    ``p * inv_freq`` in float64, cos/sin times the attention factor in float64, one rounding
+    to fp32, layout ``cat(freqs, freqs)``. Computed on the CPU whatever the target device, so
+    every device gets the same bits."""
+    positions = torch.arange(max_positions, dtype=torch.float64)
+    angles = positions[:, None] * inv_freq.to(torch.float64)[None, :]  # one float64 rounding
+    cos_half = (torch.cos(angles) * attention_scaling).to(torch.float32)  # the one fp32 rounding
+    sin_half = (torch.sin(angles) * attention_scaling).to(torch.float32)
+    cos = torch.cat((cos_half, cos_half), dim=-1).to(device)
+    sin = torch.cat((sin_half, sin_half), dim=-1).to(device)
+    return cos, sin
+
+
+def cached_tables(key: tuple, build, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables of ``key`` from the shared cache, built by ``build()`` on a miss (the cache
+    of every config class: :func:`clear_cache` empties it). A cached table modified in place
+    since (its version counter moved) warns and is rebuilt."""
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            cos, sin, cos_version, sin_version = hit
+            if cos._version == cos_version and sin._version == sin_version:
+                _cache.move_to_end(key)
+                return cos, sin
+            warnings.warn(
+                f"a cached cos/sin table of {what} was modified in place by a caller; "
+                "rebuilding it. Clone the tables before modifying them.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            del _cache[key]
+        with torch.no_grad(), torch.inference_mode(False):
+            cos, sin = build()
+        _cache[key] = (cos, sin, cos._version, sin._version)
+        while len(_cache) > _CACHE_MAX_ENTRIES:
+            _cache.popitem(last=False)
+        return cos, sin
 
 
 _CACHE_MAX_ENTRIES = 8
-_cache: OrderedDict[tuple[YarnConfig, int, torch.device], tuple[Any, ...]] = OrderedDict()
+_cache: OrderedDict[tuple, tuple[Any, ...]] = OrderedDict()
 _cache_lock = threading.Lock()
 
 

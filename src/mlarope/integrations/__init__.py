@@ -3,9 +3,10 @@
 Each submodule patches one library in place, in the manner of Liger-Kernel's
 ``apply_liger_kernel_to_*``, and can undo it:
 
-- :mod:`mlarope.integrations.transformers`: Hugging Face transformers' DeepSeek-V3 and
-  DeepSeek-V2 attention (``apply_mlarope_to_deepseek_v3``, ``apply_mlarope_to_deepseek_v2``,
-  their ``revert_*`` twins and the ``mlarope_patched`` context manager). See
+- :mod:`mlarope.integrations.transformers`: every Multi-head Latent Attention family of the
+  installed Hugging Face transformers, found from its code (``apply_mlarope(model or name)``,
+  ``apply_mlarope_to_all``, their ``revert_*`` twins, the ``mlarope_patched`` context
+  managers, ``family_report``; the DeepSeek-V3 / V2 entry points of before). See
   ``docs/transformers.md``.
 - :mod:`mlarope.integrations.megatron`: Megatron-Core's Multi-Latent Attention
   (``apply_mlarope_to_megatron``, ``revert_mlarope_megatron``, ``mlarope_patched``). See

@@ -33,7 +33,10 @@ COMMANDS = {
         "mlarope.tools.bench",
         "GPU benchmark against the copy ceiling, reference and Megatron",
     ),
-    "info": ("mlarope.tools.cli", "versions, backend and device"),
+    "info": (
+        "mlarope.tools.cli",
+        "versions, backend and device; the MLA families of the installed transformers",
+    ),
 }
 
 
@@ -42,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``info``: print versions, the backend each device would use, and the devices present."""
+    """``info``: print versions, the backend each device would use, the devices present, and
+    which MLA families of the installed transformers mlarope patches (and why not)."""
     table = Table(title="mlarope info", show_header=False)
     table.add_column("item")
     table.add_column("value")
@@ -62,8 +66,35 @@ def run(args: argparse.Namespace) -> int:
         table.add_row("cuda", "not available")
     table.add_row("cpu", "Triton kernels (interpreter)" if interpreter else "PyTorch reference")
     table.add_row("eager plan guard", _plans.guard_kind())
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    console.print(_transformers_families(Table))
     return 0
+
+
+def _transformers_families(table_class):
+    """The MLA families of the installed transformers: patched by mlarope, or not and why."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers: not installed (mlarope.integrations.transformers needs it)"
+    from mlarope.integrations.transformers import family_report
+
+    table = table_class(title=f"transformers {_dist_version('transformers')}: MLA families")
+    for header in ("family", "mlarope", "rotary functions, or why not"):
+        table.add_column(header)
+    for row in family_report(cache=True):
+        table.add_row(row.name, row.status, row.detail())
+    return table
+
+
+def _dist_version(dist: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _version_of(module: str) -> str:

@@ -1,0 +1,203 @@
+"""Classify a transformers rotary function by running it: which :class:`Mapping`, if any, is exact.
+
+Names do not tell (``hy_v4_vl``'s ``apply_rotary_pos_emb`` is interleaved in and out, the other
+families' function of that name half-split), so each function is run on a small float64 CPU
+input and compared with mlarope's replacement under every candidate mapping:
+
+- pairs interleaved or half-split, in and out (4 layouts), reading the tables as given or only
+  their first half (the probe's ``cos``/``sin`` halves differ, independent random angles and
+  magnitudes, so a function that reads one half is told from one that reads both);
+- for a function of three arguments ``(q, k, freqs_cis)``: complex tables, the 4 layouts.
+
+A candidate matches when every element agrees within ``2**-20`` of the probe's scale
+(``max|x| * max|table|``, about 1): room for a function that computes in fp32 even for fp64
+inputs (DeepSeek-V2's, hy_v4_vl's: their error is a few ``2**-24``), while a wrong layout, sign
+or table half is off by O(1). The matching mapping is then checked on the ``[B, S, H, R]``
+layout (``unsqueeze_dim=2``, DSA indexers) when the function takes it, and probed for ``k=None``
+and for its result dtype (bf16 ``q``, ``k`` with fp32 tables: fp32 = promoted, bf16 = the
+input's). The replacement's mlarope path on fp64 CPU tensors is mlarope's PyTorch reference: no
+kernel is launched and nothing touches a GPU.
+
+A function that no candidate reproduces (a partial rotation, another formula, another signature)
+gets a reason instead, and its family is not patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ._rotation import Mapping, extra_args_reader, rotate_cos_sin, rotate_freqs_cis
+
+_TOLERANCE = 2.0**-20
+_BATCH, _HEADS, _SEQ, _ROPE = 2, 3, 4, 32
+
+_cache: weakref.WeakKeyDictionary[Callable, Mapping | str] = weakref.WeakKeyDictionary()
+_cache_lock = threading.Lock()
+
+
+def _required_positional(fn: Callable) -> int | None:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+def _probe_inputs(complex_freqs: bool, heads_dim: int = 1) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    f64 = {"generator": gen, "dtype": torch.float64, "device": "cpu"}
+    shape_q = (_BATCH, _HEADS, _SEQ, _ROPE) if heads_dim == 1 else (_BATCH, _SEQ, _HEADS, _ROPE)
+    shape_k = (_BATCH, 1, _SEQ, _ROPE) if heads_dim == 1 else (_BATCH, _SEQ, 1, _ROPE)
+    q, k = torch.randn(shape_q, **f64), torch.randn(shape_k, **f64)
+    if complex_freqs:
+        half = _ROPE // 2
+        angles = 6.3 * torch.rand(_BATCH, _SEQ, half, **f64)
+        return q, k, torch.polar(0.75 + 0.5 * torch.rand(_BATCH, _SEQ, half, **f64), angles)
+    angles = 6.3 * torch.rand(_BATCH, _SEQ, _ROPE, **f64)
+    scale = 0.75 + 0.5 * torch.rand(_BATCH, _SEQ, _ROPE, **f64)  # an attention factor, per entry
+    return q, k, scale * angles.cos(), scale * angles.sin()
+
+
+def _candidates(complex_freqs: bool) -> list[Mapping]:
+    layouts = list(itertools.product((True, False), repeat=2))
+    if complex_freqs:
+        return [Mapping(i, o, complex_freqs=True) for i, o in layouts]
+    return [Mapping(i, o, first_half_tables=h) for h in (False, True) for i, o in layouts]
+
+
+def _ours(mapping: Mapping, inputs: tuple, heads_dim: int = 1):
+    if mapping.complex_freqs:
+        return rotate_freqs_cis(mapping, *inputs)
+    return rotate_cos_sin(mapping, *inputs, heads_dim)
+
+
+def _difference(theirs: object, ours: tuple, inputs: tuple) -> float | None:
+    """Max elementwise difference relative to the probe's scale, or None if the shapes differ."""
+    if not isinstance(theirs, (tuple, list)) or len(theirs) != len(ours):
+        return None
+    scale = max(float(t.abs().max()) for t in inputs[:2] if t is not None)
+    table = inputs[2] if len(inputs) == 3 else torch.cat(inputs[2:])
+    scale *= float(table.abs().max())
+    worst = 0.0
+    for a, b in zip(ours, theirs, strict=True):
+        if a is None or b is None:
+            if a is not b:
+                return None
+            continue
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape:
+            return None
+        worst = max(worst, float((a.double() - b.double()).abs().max()) / scale)
+    return worst
+
+
+def _run(fn: Callable, *args, **kwargs) -> tuple[object, str | None]:
+    try:
+        with torch.no_grad():
+            return fn(*args, **kwargs), None
+    except Exception as e:  # the function's own error is the reason it is not patched
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _classify(fn: Callable) -> Mapping | str:
+    arity = _required_positional(fn)
+    if arity not in (3, 4):
+        try:
+            sig = str(inspect.signature(fn))
+        except (TypeError, ValueError):
+            sig = "(unknown signature)"
+        return (
+            f"its signature {sig} is neither (q, k, cos, sin, ...) nor (q, k, freqs_cis): "
+            f"no mlarope mapping"
+        )
+    complex_freqs = arity == 3
+    inputs = _probe_inputs(complex_freqs)
+    theirs, error = _run(fn, *inputs)
+    if error is not None:
+        return f"it raised on the probe input ({error}); no mlarope mapping checked"
+
+    best, best_diff = None, float("inf")
+    for candidate in _candidates(complex_freqs):
+        with torch.no_grad():
+            ours = _ours(candidate, inputs)
+        diff = None if ours is None else _difference(theirs, ours, inputs)
+        if diff is not None and diff <= _TOLERANCE:
+            best = candidate
+            break
+        if diff is not None and diff < best_diff:
+            best_diff = diff
+    if best is None:
+        closest = "no candidate gave outputs of its shapes"
+        if best_diff < float("inf"):
+            closest = f"the closest candidate is off by {best_diff:.3g} of the probe's scale"
+        return (
+            "no exact mlarope mapping: no pair layout (interleaved or half-split, in and out) "
+            f"with full, first-half or complex tables reproduces it ({closest}); a partial "
+            "rotation or another formula is never patched approximately"
+        )
+
+    if not complex_freqs and extra_args_reader(fn)((), {"unsqueeze_dim": 2}) == 2:
+        inputs2 = _probe_inputs(False, heads_dim=2)
+        theirs2, error = _run(fn, *inputs2, unsqueeze_dim=2)
+        ours2 = _ours(best, inputs2, heads_dim=2)
+        diff = None if error or ours2 is None else _difference(theirs2, ours2, inputs2)
+        if diff is None or diff > _TOLERANCE:
+            return (
+                f"it matches ({best.describe()}) on [B, H, S, R] but not with unsqueeze_dim=2 "
+                f"([B, S, H, R]: {error or diff})"
+            )
+
+    no_k = (inputs[0], None, *inputs[2:])
+    theirs_no_k, error = _run(fn, *no_k)
+    k_optional = False
+    if error is None:
+        ours_no_k = _ours(dataclasses.replace(best, k_optional=True), no_k)
+        diff = None if ours_no_k is None else _difference(theirs_no_k, ours_no_k, no_k)
+        k_optional = diff is not None and diff <= _TOLERANCE
+
+    mixed = [inputs[0].bfloat16(), inputs[1].bfloat16()]
+    mixed += [t.to(torch.complex64 if t.is_complex() else torch.float32) for t in inputs[2:]]
+    out, error = _run(fn, *mixed)
+    dtypes = {t.dtype for t in out} if error is None and isinstance(out, (tuple, list)) else None
+    if dtypes == {torch.bfloat16}:
+        result_dtype = "input"
+    elif dtypes == {torch.float32}:
+        result_dtype = "promoted"
+    else:
+        return (
+            f"it matches ({best.describe()}) in float64, but its result dtype for bf16 q, k with "
+            f"fp32 tables is neither bf16 nor fp32 ({error or dtypes})"
+        )
+    return Mapping(
+        best.interleaved_in,
+        best.interleaved_out,
+        first_half_tables=best.first_half_tables,
+        complex_freqs=best.complex_freqs,
+        k_optional=k_optional,
+        result_dtype=result_dtype,
+    )
+
+
+def classify(fn: Callable) -> Mapping | str:
+    """The exact :class:`Mapping` of transformers' rotary function ``fn``, or why there is none.
+
+    Cached per function object (a few ms each)."""
+    with _cache_lock:
+        try:
+            hit = _cache.get(fn)
+        except TypeError:  # not weak-referenceable: classify every time
+            hit = None
+        if hit is not None:
+            return hit
+        result = _classify(fn)
+        with contextlib.suppress(TypeError):
+            _cache[fn] = result
+        return result

@@ -1,0 +1,793 @@
+"""Every MLA family of the installed transformers, through mlarope.integrations.transformers.
+
+The families are the integration's own discovery (``family_report()``), so a family that a new
+transformers release adds is tested here without a list to update: a tiny random model of it is
+built from its config class (a shared set of small widths, plus a few per-family settings below)
+and run forward and backward with and without the patch. A family the code says is MLA must be
+patched or reported with its reason (``test_every_family_is_patched_or_has_a_reason``).
+
+The oracle is transformers itself: the unpatched model on the same weights and input, and an fp64
+copy of it, which measures how much the model's own rounding moves each output. Two lanes of the
+patched model, on the same device: mlarope's Triton kernels (Triton's interpreter on the CPU lane,
+CUDA on the GPU lane) and its PyTorch reference backend (CPU tensors with ``TRITON_INTERPRET``
+off: ``mlarope.ops.use_triton`` reads it on every call).
+
+Error model, model level (``y`` = logits and the gradient of every parameter, each a tensor):
+
+- fp32: the patched and the unpatched run are two fp32 evaluations of one network that differ
+  only in how the rope step rounds (same tables, same formula, each within a few fp32 units of
+  the exact rotation), so each is within the network's own fp32 rounding error of the exact value;
+  ``max|y_unpatched - y_fp64|`` measures that error on this input. Bound, per tensor:
+  ``max|y_patched - y_unpatched| <= 2 * max|y_unpatched - y_fp64| + 2**-24 * max|y_fp64|``. A wrong
+  rotation moves the outputs by O(1) relative, 10^5 times that (``test_negative_control``).
+- bf16: transformers' DeepSeek-style functions round three times in bf16 (``q * cos``,
+  ``rotate_half(q) * sin``, the sum), DeepSeek-V2's and hy_v4_vl's once after fp32 math; mlarope
+  rounds once, to nearest (reference backend, GPU) or by truncation (Triton's interpreter: within
+  one bf16 unit rather than half). Every other bf16 operation of the network rounds values that
+  now differ slightly, so the two runs' errors against the fp64 run decorrelate: each is the
+  network's bf16 noise, of the same size, and their difference is of that size too, not smaller.
+  So each run is compared with the fp64 run of the same bf16-valued weights, by norm, per tensor:
+  ``|y_patched - y_fp64| <= C * max(|y_unpatched - y_fp64|, rho * |y_fp64|)``, where ``rho`` is
+  the median relative deviation of the unpatched run over all tensors (the network's typical
+  bf16 noise: the floor keeps a tensor whose unpatched error happens to be small from making the
+  bound vanish). The ratio of two such samples of the same noise, per tensor, measured at most
+  4.1 over 4 seeds x 16 families x both backends (model sizes here), so ``C = 6``. Over all
+  tensors together (``G``: the root-sum-square of the relative deviations), the patched run is
+  within ``1.5 G`` of the unpatched one (measured 0.6-1.25). A wrong pair layout gives a per-tensor
+  ratio of 12 to 50 in most families (``test_negative_control``; bailing_hybrid, whose one MLA
+  layer of two moves the outputs little, 2-5: its wrong rotation is caught by the fp32 test).
+  No discrete choice may depend on the rope's rounding in bf16: every routed expert is used
+  (``num_experts_per_tok = n_routed_experts``) and the DSA indexers select every key (sequence
+  8 <= ``index_topk``); the fp32 run uses a sequence of 12, so the indexers' selection, and with it
+  their rotation, matters there.
+
+Every rotation is counted: each call of a family's rotary function in the unpatched run must reach
+``mlarope.apply_rope_q`` in the patched one (once for ``q``, once for ``k`` unless it is None).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers
+from transformers.models.auto import modeling_auto
+
+import mlarope
+from mlarope.integrations import transformers as mt
+from mlarope.integrations.transformers import _patch, _rotation
+
+REPORT = {row.name: row for row in mt.family_report()}
+PATCHED = sorted(name for name, row in REPORT.items() if row.status == "patched")
+NOT_PATCHED = sorted(name for name, row in REPORT.items() if row.status != "patched")
+U32, U_BF16 = 2.0**-24, 2.0**-8
+C_BF16, G_BF16 = 8.0, 1.5
+
+# Small widths every MLA config takes (a config ignores the keys it does not have). Rope 32,
+# nope and v 16, 4 heads, hidden 64, 2 layers, 4 experts all used, DSA indexers of 2 heads.
+BASE = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+    qk_nope_head_dim=16, qk_rope_head_dim=32, v_head_dim=16, max_position_embeddings=256,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, moe_intermediate_size=32,
+    n_routed_experts=4, num_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1, index_topk=8, index_head_dim=48, index_n_heads=2,
+    # Larger than the default 0.02, so that attention scores, and with them the rotation, move
+    # the outputs well above bf16 noise (the negative control measures it).
+    initializer_range=0.1,
+)  # fmt: skip
+# What some model types need on top (each from a build or forward error otherwise).
+# fmt: off
+OVERRIDES = {
+    # Only full_attention layers are MLA; with no such layer the cache raises.
+    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], head_dim=16),
+    "kimi_linear": dict(
+        layer_types=["linear_attention", "full_attention"], linear_head_dim=16, linear_num_heads=4
+    ),
+    # Per-layer-type widths: one indexed (DSA) layer and one sliding layer, both MLA.
+    "dots3_note_text": dict(
+        layer_types=["indexed_attention", "sliding_attention"], head_dim=48,
+        swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=32,
+        swa_kv_lora_rank=16, swa_head_dim=48, swa_qk_nope_head_dim=16, swa_v_head_dim=16,
+    ),
+    "glm5_next_text": dict(
+        index_topk=16, qk_rope_head_dim=0, linear_head_dim=16, linear_num_heads=4,
+        layer_types=["linear_attention", "full_attention"],  # the MLA (DSA) layer, any release
+    ),
+    # MRoPE sections must sum to qk_rope_head_dim // 2.
+    "hy_v4_vl_text": dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5]}
+    ),
+    # Its rotary width is head_dim, a field of its own; its layers (two MLA each) are num_layers.
+    "longcat_flash": dict(
+        head_dim=32, num_layers=1, ffn_hidden_size=96, expert_ffn_hidden_size=32, moe_topk=4,
+        zero_expert_num=0,
+    ),
+}
+# fmt: on
+
+
+def build_model_type(row: mt.FamilyStatus) -> str:
+    """The model type whose config has the MLA widths: the row itself for a config-only family,
+    else the family's (text) model type with a ``kv_lora_rank`` config."""
+    configs = _patch.discovery().config_classes
+    if row.runs_on is not None:
+        return row.name
+    return next(t for t in row.model_types if t in configs)
+
+
+def tiny_model(row: mt.FamilyStatus, dtype: torch.dtype, device, *, seed: int = 0):
+    model_type = build_model_type(row)
+    config_class = getattr(transformers, _patch.discovery().config_classes[model_type])
+    config = config_class(**{**BASE, **OVERRIDES.get(model_type, {})})
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
+    names = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES)
+    model_class = getattr(transformers, next(m[model_type] for m in names if model_type in m))
+    with torch.device("meta"):  # a config that ignores the small widths must not fill the RAM
+        size = sum(p.numel() for p in model_class(config).parameters())
+    assert size < 2_000_000, (
+        f"the tiny {model_type} model has {size} parameters: its config ignores a width in BASE "
+        f"or OVERRIDES (this transformers release names it differently)"
+    )
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(0.02 * torch.randn_like(p))  # parameters initialised to 0 or 1 vary too
+            if name.endswith("rotary_emb.alpha"):
+                # mistral_large4's learnable rope scale: with it trainable the tables require
+                # grad and transformers' own function rotates (tested separately below).
+                p.requires_grad_(False)
+    return model.to(device=device, dtype=dtype).train()
+
+
+def run(model, ids, position_ids=None) -> dict[str, torch.Tensor]:
+    """The outputs (logits, or the last hidden state of a base model) and every gradient."""
+    out = model(input_ids=ids, position_ids=position_ids)
+    y = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y.device)
+    names, params = zip(
+        *[(n, p) for n, p in model.named_parameters() if p.requires_grad], strict=True
+    )
+    grads = torch.autograd.grad((y.double() * weights).sum(), params, allow_unused=True)
+    result = {"output": y.detach()}
+    result.update({n: g for n, g in zip(names, grads, strict=True) if g is not None})
+    return result
+
+
+class CallCounter:
+    """Counts what the rotations of one run do: calls of a family's rotary functions (how many
+    tensors each rotates) and calls that reach ``mlarope.apply_rope_q``."""
+
+    def __init__(self, monkeypatch, family: str):
+        self.monkeypatch = monkeypatch
+        self.module = importlib.import_module(_patch.family(family).module)
+        self.names = list(_patch.family(family).mappings)
+        self.rotated, self.mlarope = 0, 0
+        real = mlarope.apply_rope_q
+
+        def counting(*args, **kwargs):
+            self.mlarope += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mlarope, "apply_rope_q", counting)
+
+    def expected(self, fn):
+        """Run ``fn`` with the module's (unpatched) functions counting their tensors."""
+        originals = {n: getattr(self.module, n) for n in self.names}
+
+        def wrap(original):
+            def counted(q, k, *args, **kwargs):
+                self.rotated += 1 if k is None else 2
+                return original(q, k, *args, **kwargs)
+
+            return counted
+
+        for n, f in originals.items():
+            self.monkeypatch.setattr(self.module, n, wrap(f))
+        try:
+            return fn()
+        finally:
+            for n, f in originals.items():
+                self.monkeypatch.setattr(self.module, n, f)
+
+
+def fp32_bounds(unpatched, truth) -> dict[str, float]:
+    return {
+        k: 2 * float((unpatched[k].double() - t.double()).abs().max())
+        + U32 * float(t.double().abs().max())
+        for k, t in truth.items()
+    }
+
+
+def assert_fp32_close(patched, unpatched, truth, what):
+    assert patched.keys() == unpatched.keys() == truth.keys(), what
+    for k, bound in fp32_bounds(unpatched, truth).items():
+        err = float((patched[k].double() - unpatched[k].double()).abs().max())
+        assert err <= bound, f"{what}: {k} differs by {err:.3e} > rounding-noise bound {bound:.3e}"
+
+
+def bf16_ratios(patched, samples, truth) -> tuple[dict[str, float], float]:
+    """Per tensor ``|p - t| / max(|s - t| for each noise sample s, rho |t|)`` and ``G_p / G_u``
+    (``samples[0]`` the unpatched run; module docstring)."""
+    norms = {k: float(t.double().norm()) for k, t in truth.items()}
+    keys = [k for k, n in norms.items() if n > 0]
+    devs = [{k: float((s[k].double() - truth[k].double()).norm()) for k in keys} for s in samples]
+    dev_p = {k: float((patched[k].double() - truth[k].double()).norm()) for k in keys}
+    rel_u = sorted(devs[0][k] / norms[k] for k in keys)
+    rho = rel_u[len(rel_u) // 2]
+    ratios = {
+        k: dev_p[k] / max(*(d[k] for d in devs), rho * norms[k], U_BF16 * norms[k]) for k in keys
+    }
+    g_p = math.sqrt(sum((dev_p[k] / norms[k]) ** 2 for k in keys))
+    g_u = math.sqrt(sum((devs[0][k] / norms[k]) ** 2 for k in keys))
+    return ratios, g_p / g_u
+
+
+def assert_bf16_close(patched, samples, truth, what):
+    unpatched = samples[0]
+    assert patched.keys() == unpatched.keys() == truth.keys(), what
+    for k in truth:
+        assert patched[k].dtype == unpatched[k].dtype, f"{what}: {k} dtype"
+    ratios, g = bf16_ratios(patched, samples, truth)
+    worst = max(ratios, key=ratios.get)
+    assert ratios[worst] <= C_BF16, (
+        f"{what}: {worst} is {ratios[worst]:.2f} times the unpatched model's bf16 noise "
+        f"(bound {C_BF16})"
+    )
+    assert g <= G_BF16, f"{what}: all tensors together {g:.2f} times the unpatched noise"
+
+
+def _truncate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 -> bf16 by dropping the low 16 bits (round toward zero), as Triton's interpreter
+    stores; other casts as PyTorch does them."""
+    if dtype != torch.bfloat16 or x.dtype != torch.float32:
+        return x.to(dtype)
+    return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
+class _Narrow(torch.autograd.Function):
+    """fp32 result -> the output dtype, truncated; the gradient comes back exactly (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.source = x.dtype
+        return _truncate(x, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.source), None
+
+
+class _Widen(torch.autograd.Function):
+    """A 16-bit input -> fp32 (exact); its fp32 gradient goes back truncated."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.source = x.dtype
+        return x.float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _truncate(grad, ctx.source)
+
+
+def emulated(original, mapping: _rotation.Mapping, truncate: bool):
+    """transformers' own rotary function, computed in fp32 and rounded once to its result dtype
+    (to nearest, or by truncation as the interpreter stores): mlarope's error model, built from
+    transformers' code. A 16-bit result is what mlarope's kernel rounds, both ways (the forward
+    store and the gradient store); an fp32 result from 16-bit inputs is PyTorch's upcast."""
+
+    def fn(q, k, *args, **kwargs):
+        n_tables = 1 if mapping.complex_freqs else 2
+        tables, rest = args[:n_tables], args[n_tables:]
+        table_dtype = tables[0].real.dtype if tables[0].is_complex() else tables[0].dtype
+
+        def result_dtype(x):
+            if mapping.result_dtype == "input":
+                return x.dtype
+            return torch.promote_types(x.dtype, table_dtype)
+
+        def widen(x):
+            if x is None or x.is_complex() or x.dtype == torch.float32:
+                return x
+            if truncate and x.requires_grad and result_dtype(x) == x.dtype:
+                return _Widen.apply(x)
+            return x.float()
+
+        q_out, k_out = original(widen(q), widen(k), *map(widen, tables), *rest, **kwargs)
+        narrow = (lambda x, d: _Narrow.apply(x, d)) if truncate else (lambda x, d: x.to(d))
+        return narrow(q_out, result_dtype(q)), None if k_out is None else narrow(
+            k_out, result_dtype(k)
+        )
+
+    return fn
+
+
+def run_emulated(monkeypatch, family: str, truncate: bool, fn):
+    fam = _patch.family(family)
+    module = importlib.import_module(fam.module)
+    with monkeypatch.context() as m:
+        for name, mapping in fam.mappings.items():
+            m.setattr(module, name, emulated(getattr(module, name), mapping, truncate))
+        return fn()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny models are many small ops: one intra-op thread runs them 10-50 times faster on a
+    busy machine than a pool whose threads wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _unpatched_after():
+    yield
+    mt.revert_mlarope_all()
+    for fam in _patch.families():
+        assert not _patch.is_applied(fam), fam.name
+
+
+def _ids(seq, device):
+    return torch.randint(3, 128, (2, seq), generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def assert_identical(got, want, what):
+    assert got.keys() == want.keys(), what
+    for k in want:
+        assert got[k].dtype == want[k].dtype, f"{what}: {k} dtype"
+        if not torch.equal(got[k], want[k]):
+            err = float((got[k].double() - want[k].double()).abs().max())
+            raise AssertionError(f"{what}: {k} is not bitwise equal (max difference {err:.3e})")
+
+
+# ---------------------------------------------------------------------------------------------
+# every family: fp32 and bf16, both backends
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", PATCHED)
+def test_family_matches_transformers(family, dtype, device, monkeypatch):
+    row = REPORT[family]
+    fp32 = dtype == torch.float32
+    cpu = torch.device(device).type == "cpu"
+    model = tiny_model(row, dtype, device)
+    model64 = copy.deepcopy(model).double()
+    # fp32: per-row position offsets (tables [B, S, R]) and a sequence past the DSA indexers'
+    # top-k; bf16: default positions (tables [1, S, R]), every key selected.
+    seq = 12 if fp32 else 8
+    ids = _ids(seq, device)
+    pos = torch.arange(seq, device=device)[None] + torch.tensor([[0], [37]], device=device)
+    pos = pos if fp32 else None
+    counter = CallCounter(monkeypatch, family)
+    unpatched = counter.expected(lambda: run(model, ids, pos))
+    assert counter.rotated > 0, "the tiny model called none of the family's rotary functions"
+    # Bit for bit on the CPU (below), except DeepSeek-V2's complex product: one PyTorch kernel
+    # whose rounding depends on the layout (a vectorised path may fuse the multiply-add), within
+    # a few fp32 units of mlarope's.
+    bitwise = cpu and not any(m.complex_freqs for m in _patch.family(family).mappings.values())
+    # The fp64 run measures the model's own rounding noise: what the comparison is bounded by
+    # where it is not bitwise (the GPU lane; bf16, where mlarope's one rounding differs from
+    # transformers' three; DeepSeek-V2).
+    truth = None if fp32 and bitwise else run(model64, ids, pos)
+    nearest = (
+        None if fp32 else run_emulated(monkeypatch, family, False, lambda: run(model, ids, pos))
+    )
+
+    # The reference backend runs CPU tensors with TRITON_INTERPRET off (read on every call); CUDA
+    # tensors always run the kernels, so the GPU lane has the kernels only.
+    for backend in ("kernels", "reference") if cpu else ("kernels",):
+        with monkeypatch.context() as m:
+            if backend == "reference":
+                m.setenv("TRITON_INTERPRET", "0")
+                assert not mlarope.ops.use_triton(ids.float())
+            with mt.mlarope_patched(family, model=model):
+                counter.mlarope = 0
+                patched = run(model, ids, pos)
+        assert counter.mlarope == counter.rotated, (
+            f"{backend}: {counter.mlarope} of {counter.rotated} rotations went through mlarope"
+        )
+        what = f"{family} {backend} {dtype}"
+        if not fp32:
+            assert_bf16_close(patched, (unpatched, nearest), truth, what)
+        if not bitwise:
+            if fp32:
+                assert_fp32_close(patched, unpatched, truth, what)
+            continue
+        # On the CPU the error model is exact, bit for bit: fp32 math in transformers' own order
+        # (two products and a sum), then one rounding to the result dtype, to nearest
+        # (reference) or toward zero (the interpreter's store). In fp32 that is transformers.
+        if fp32:
+            want = unpatched
+        elif backend == "kernels":
+            want = run_emulated(monkeypatch, family, True, lambda: run(model, ids, pos))
+        else:
+            want = nearest
+        assert_identical(patched, want, f"{what} vs transformers' function in fp32")
+
+
+# ---------------------------------------------------------------------------------------------
+# the negative control: the bounds above catch a wrong rotation
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_negative_control(dtype, device, monkeypatch):
+    """A replacement that reads the pairs in the other layout (a plausible bug) fails the
+    fp32 bound by orders of magnitude and the bf16 one clearly: the bounds can fail."""
+    family = "deepseek_v3"
+    fp32 = dtype == torch.float32
+    model = tiny_model(REPORT[family], dtype, device)
+    truth = run(copy.deepcopy(model).double(), _ids(8, device))
+    unpatched = run(model, _ids(8, device))
+    fam = _patch.family(family)
+    module = importlib.import_module(fam.module)
+    with monkeypatch.context() as m:
+        for name, mapping in fam.mappings.items():
+            wrong = dataclasses.replace(mapping, interleaved_in=not mapping.interleaved_in)
+            m.setattr(module, name, _rotation.make_replacement(getattr(module, name), wrong, name))
+        patched = run(model, _ids(8, device))
+    if fp32:
+        bounds = fp32_bounds(unpatched, truth)
+        err = float((patched["output"].double() - unpatched["output"].double()).abs().max())
+        assert err > 1000 * bounds["output"]
+    else:
+        nearest = run_emulated(monkeypatch, family, False, lambda: run(model, _ids(8, device)))
+        ratios, g = bf16_ratios(patched, (unpatched, nearest), truth)
+        assert max(ratios.values()) > 2 * C_BF16 and g > 5 * G_BF16, (max(ratios.values()), g)
+
+
+# ---------------------------------------------------------------------------------------------
+# discovery and the report
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_family_is_patched_or_has_a_reason():
+    """Every modeling module whose code is MLA, and every MLA config, is in the report, and each
+    row is patched (every rotary function with its exact mapping) or says why not."""
+    found = _patch.discovery()
+    assert set(found.modules) <= set(REPORT), "an MLA modeling module is missing from the report"
+    for model_type, package in found.config_only.items():
+        assert REPORT[model_type].runs_on == package
+    for model_type in found.config_classes:
+        assert any(model_type in row.model_types for row in REPORT.values()), model_type
+    for name, row in REPORT.items():
+        assert row.status in ("patched", "not patched", "nothing to patch"), name
+        if row.status == "patched":
+            assert row.functions and all(f.exact for f in row.functions), name
+            assert row.reason == "", name
+        else:
+            assert row.reason.startswith(f"{row.status}: ") and len(row.reason) > 20, name
+        if row.status == "nothing to patch":
+            assert not row.functions, name
+        assert row.summary().startswith(f"{name}: {row.status}: "), name
+
+
+def test_the_families_of_transformers_5_24_are_found():
+    """What discovery finds in transformers 5.24 (later releases: at least these)."""
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.24"):
+        pytest.skip(f"transformers {transformers.__version__}: fewer families than 5.24")
+    patched = {
+        "axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+        "dots3_note", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "longcat_flash",
+        "minicpm3", "mistral4", "mistral_large4", "sarvam_mla", "youtu",
+    }  # fmt: skip
+    assert patched <= set(PATCHED)
+    for name in ("glm5_next", "kimi_linear"):
+        assert REPORT[name].status == "nothing to patch"
+    assert REPORT["sarvam_mla"].runs_on == "deepseek_v3"
+    # names do not tell: hy_v4_vl's apply_rotary_pos_emb is interleaved in and out
+    (f,) = REPORT["hy_v4_vl"].functions
+    assert f.name == "apply_rotary_pos_emb" and f.short.startswith("interleaved -> interleaved")
+    (f,) = REPORT["hy_v4"].functions
+    assert f.name == "apply_rotary_pos_emb" and f.short.startswith("half-split -> half-split")
+    assert "k may be None" in REPORT["mistral_large4"].functions[0].short
+    indexer = {f.name: f.callers for f in REPORT["deepseek_v32"].functions}
+    assert indexer["apply_rotary_pos_emb"] == ("DeepseekV32Indexer (unsqueeze_dim=2)",)
+
+
+@pytest.mark.parametrize("family", sorted(REPORT))
+def test_no_rotary_call_is_missed(family, device, monkeypatch):
+    """A cross-check of the discovery by name, in forwards of the tiny model: the module-level
+    functions of the family's module whose names say rotary and that the model calls are the
+    ones the report lists (none for a family with nothing to patch)."""
+    row = REPORT[family]
+    module = importlib.import_module(row.module)
+    listed = {f.name for f in row.functions}
+    called = set()
+    for name in dir(module):
+        fn = getattr(module, name)
+        if "rotary" in name and callable(fn) and not isinstance(fn, type):
+
+            def spy(*args, _fn=fn, _name=name, **kwargs):
+                called.add(_name)
+                return _fn(*args, **kwargs)
+
+            monkeypatch.setattr(module, name, spy)
+    model = tiny_model(row, torch.float32, device)
+    # DeepSeek-V3-style attention calls one of two functions, as config.rope_interleave says
+    settings = (True, False) if hasattr(model.config, "rope_interleave") else (None,)
+    for interleave in settings:
+        if interleave is not None:
+            model.config.rope_interleave = interleave
+        with torch.no_grad():
+            model(input_ids=_ids(8, device))
+    assert called == listed
+
+
+def test_discovery_reads_the_code_not_the_names():
+    """The rotary calls are the ones handed the rotary embedding, whatever the names, through
+    assignments, in the attention and the classes it builds; other calls are not."""
+    source = """
+def rope_a(q, k, cos, sin): ...
+def rope_b(q, k, cos, sin, unsqueeze_dim=1): ...
+def apply_rotary_pos_emb(q, k, cos, sin): ...
+def repeat_kv(x, n): ...
+
+class Scorer:
+    def forward(self, x, position_embeddings):
+        c, s = position_embeddings
+        pair = (c, s)
+        return rope_b(x, x, *pair, unsqueeze_dim=2)
+
+class MyAttention:
+    def __init__(self, config):
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scorer = Scorer()
+    def forward(self, hidden, position_embeddings, mask):
+        cos, sin = position_embeddings
+        q = repeat_kv(hidden, 2)
+        q, k = rope_a(q, hidden, cos, sin)
+        return q
+
+class Vision:
+    def forward(self, x, position_embeddings):
+        return apply_rotary_pos_emb(x, x, *position_embeddings)
+"""
+    from mlarope.integrations.transformers import _discovery
+
+    found = _discovery.scan_modeling_source(source, "toy", "toy.modeling_toy")
+    assert found.attention == ("MyAttention",)
+    assert found.builds == ("Scorer",)
+    assert found.functions == ("rope_a", "rope_b")
+    assert found.calls[1].keywords == (("unsqueeze_dim", 2),)
+    assert _discovery.scan_modeling_source("class A: pass", "x", "x.m") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the probe: exact mappings only
+# ---------------------------------------------------------------------------------------------
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _half_split(q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _partial(q, k, cos, sin, unsqueeze_dim=1):
+    """Rotates the first half of the channels only (another model's partial rotary)."""
+    h = q.shape[-1] // 2
+    c, s = cos[..., : h // 2].repeat(1, 1, 2), sin[..., : h // 2].repeat(1, 1, 2)
+    (qr, kr), rest = (
+        _half_split(q[..., :h], k[..., :h], c, s, unsqueeze_dim),
+        (q[..., h:], k[..., h:]),
+    )
+    return torch.cat((qr, rest[0]), -1), torch.cat((kr, rest[1]), -1)
+
+
+def _inverse(q, k, cos, sin, unsqueeze_dim=1):
+    """The opposite angle: another formula."""
+    return _half_split(q, k, cos, -sin, unsqueeze_dim)
+
+
+def _fp32_interleaved(q, k, cos, sin, unsqueeze_dim=1):
+    """Interleaved in and out, first half of the tables, in fp32, returning q.dtype (Ernie's)."""
+    h = cos.shape[-1] // 2
+    c = cos[..., :h].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim).float()
+    s = sin[..., :h].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim).float()
+
+    def rot(x):
+        pairs = torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+        return (x.float() * c + pairs.float() * s).to(x.dtype)
+
+    return rot(q), None if k is None else rot(k)
+
+
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (_half_split, "half-split -> half-split"),
+        (_fp32_interleaved,
+         "interleaved -> interleaved, first-half tables, result q.dtype, k may be None"),
+        (_partial, "no exact mlarope mapping"),
+        (_inverse, "no exact mlarope mapping"),
+        (lambda q, k, cos, sin, extra: (q, k),
+         "neither (q, k, cos, sin, ...) nor (q, k, freqs_cis)"),
+        (lambda q, k, cos, sin: 1 / 0, "it raised on the probe input (ZeroDivisionError"),
+        (lambda q, k, cos, sin, unsqueeze_dim=1: _half_split(q, k, cos, sin),
+         "not with unsqueeze_dim=2"),
+    ],
+    ids=["half_split", "fp32_interleaved", "partial", "inverse", "signature", "raises", "dim2"],
+)  # fmt: skip
+def test_probe_maps_exact_functions_only(fn, expected):
+    from mlarope.integrations.transformers import _probe
+
+    result = _probe.classify(fn)
+    text = result.short() if isinstance(result, _rotation.Mapping) else result
+    assert text.startswith(expected) or expected in text, text
+
+
+def test_a_changed_function_unpatches_its_family(device, monkeypatch):
+    """A transformers release whose function is a partial rotation: the family is reported
+    not patched with the reason, applying it raises and patches nothing, and patching every
+    family leaves it out. (A function that changed to another exact layout is followed: the
+    probe classifies what is installed.)"""
+    module = importlib.import_module(_patch.family("deepseek_v3").module)
+    original = module.apply_rotary_pos_emb
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", _partial)
+    row = {r.name: r for r in mt.family_report()}["deepseek_v3"]
+    assert row.status == "not patched"
+    assert row.reason.startswith("not patched: apply_rotary_pos_emb: no exact mlarope mapping")
+    with pytest.raises(RuntimeError, match=r"no exact mlarope mapping.*nothing was patched"):
+        mt.apply_mlarope("deepseek_v3")
+    assert module.apply_rotary_pos_emb is _partial
+    assert not mt.is_mlarope_applied("deepseek_v3")
+    patched = mt.apply_mlarope_to_all()
+    assert "deepseek_v3" not in patched and "deepseek_v32" in patched
+    assert module.apply_rotary_pos_emb is _partial
+    mt.revert_mlarope_all()
+
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", _fp32_interleaved)
+    mt.apply_mlarope("deepseek_v3")
+    q, k = torch.randn(2, 3, 8, 32, device=device), torch.randn(2, 1, 8, 32, device=device)
+    cos, sin = torch.randn(2, 2, 8, 32, device=device).unbind(1)
+    ours, theirs = module.apply_rotary_pos_emb(q, k, cos, sin), _fp32_interleaved(q, k, cos, sin)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # O(1) values, fp32 roundings
+    assert module.apply_rotary_pos_emb.__wrapped__ is _fp32_interleaved
+    mt.revert_mlarope("deepseek_v3")
+    assert module.apply_rotary_pos_emb is _fp32_interleaved
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", original)
+
+
+# ---------------------------------------------------------------------------------------------
+# apply / revert by model, by name, all; what cannot be patched
+# ---------------------------------------------------------------------------------------------
+
+
+def test_apply_by_model_name_alias_and_all(device):
+    module = importlib.import_module(_patch.family("glm4_moe_lite").module)
+    original = {f.name: getattr(module, f.name) for f in REPORT["glm4_moe_lite"].functions}
+    model = tiny_model(REPORT["glm4_moe_lite"], torch.float32, device)
+    assert mt.apply_mlarope(model) == ("glm4_moe_lite",)
+    assert mt.is_mlarope_applied("glm4_moe_lite")
+    assert all(getattr(module, n).__wrapped__ is f for n, f in original.items())
+    assert mt.apply_mlarope("glm4_moe_lite") == ("glm4_moe_lite",)  # idempotent
+    mt.revert_mlarope(model)
+    assert all(getattr(module, n) is f for n, f in original.items())
+
+    # a config-only family and a text model type select the family whose code they run
+    # (transformers 5.24; earlier releases have neither)
+    if "sarvam_mla" in REPORT:
+        assert mt.apply_mlarope("sarvam_mla") == ("deepseek_v3",)
+        assert mt.is_mlarope_applied("deepseek_v3") and mt.is_mlarope_applied("sarvam_mla")
+        mt.revert_mlarope("deepseek_v3")
+        assert not mt.is_mlarope_applied("sarvam_mla")
+    if "dots3_note" in REPORT:
+        assert mt.apply_mlarope("dots3_note_text") == ("dots3_note",)
+        mt.revert_mlarope("dots3_note")
+
+    with mt.mlarope_patched(model):
+        assert mt.is_mlarope_applied("glm4_moe_lite")
+    assert not mt.is_mlarope_applied("glm4_moe_lite")
+    with mt.mlarope_patched_all():
+        assert all(mt.is_mlarope_applied(n) for n in PATCHED)
+    assert not any(mt.is_mlarope_applied(n) for n in PATCHED)
+    assert set(mt.apply_mlarope_to_all()) == {n for n in PATCHED if REPORT[n].runs_on is None}
+    assert all(row.applied for row in mt.family_report() if row.status == "patched")
+    mt.revert_mlarope_all()
+    assert not any(row.applied for row in mt.family_report())
+    assert set(mt.SUPPORTED_MODEL_TYPES) >= {"deepseek_v3", "glm4_moe_lite"}
+    assert not {"glm5_next", "kimi_linear"} & set(mt.SUPPORTED_MODEL_TYPES)
+
+
+def test_what_cannot_be_patched_says_why(device):
+    for name in NOT_PATCHED:
+        if REPORT[name].status == "nothing to patch":
+            with pytest.raises(ValueError, match="nothing to patch: its MLA attention calls no"):
+                mt.apply_mlarope(name)
+            with pytest.raises(ValueError, match="nothing to patch"):
+                mt.apply_mlarope(tiny_model(REPORT[name], torch.float32, device))
+    with pytest.raises(ValueError, match=r"must name an MLA family.*got 'llama'"):
+        mt.apply_mlarope("llama")
+    with pytest.raises(ValueError, match="must name an MLA family"):
+        mt.mlarope_patched("llama")
+    with pytest.raises(TypeError, match=r"target must be a torch\.nn\.Module.*got int"):
+        mt.apply_mlarope(3)
+    with pytest.raises(TypeError, match="pass the model once"):
+        mt.mlarope_patched(torch.nn.Linear(2, 2), model=torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="has no MLA attention layer"):
+        mt.apply_mlarope(torch.nn.Linear(2, 2))
+    wide = tiny_model(REPORT["minicpm3"], torch.float32, device)
+    for layer in wide.modules():
+        if hasattr(layer, "qk_rope_head_dim"):
+            layer.qk_rope_head_dim = 48
+    with pytest.raises(ValueError, match="qk_rope_head_dim is 48"):
+        mt.apply_mlarope(wide)
+    with pytest.raises(ValueError, match="has no DeepseekV3Attention layer"):
+        mt.apply_mlarope_to_deepseek_v3(model=wide)
+    assert not any(row.applied for row in mt.family_report())
+
+
+@pytest.mark.skipif("mistral_large4" not in REPORT, reason="no mistral_large4 in this transformers")
+def test_mistral_large4_learnable_alpha_falls_back_in_training(device, monkeypatch):
+    """With its learnable rope scale trainable, mistral_large4's tables require grad: the
+    attention's rotation runs transformers' own function (mlarope does not differentiate tables)
+    and alpha gets its gradient; the DSA indexer, which runs without grad, goes through mlarope.
+    Without grad (inference) every rotation goes through mlarope."""
+    family = "mistral_large4"
+    model = tiny_model(REPORT[family], torch.float32, device)
+    alpha = model.rotary_emb.alpha
+    alpha.requires_grad_(True)
+    ids = _ids(8, device)
+    counter = CallCounter(monkeypatch, family)
+    unpatched = counter.expected(lambda: run(model, ids))
+    with mt.mlarope_patched(family):
+        counter.mlarope = 0
+        patched = run(model, ids)
+        in_training = counter.mlarope
+        counter.mlarope = 0
+        with torch.no_grad():
+            model(input_ids=ids)
+        assert counter.mlarope == counter.rotated
+    assert 0 < in_training < counter.rotated  # the indexers only
+    assert float(unpatched["rotary_emb.alpha"].abs().max()) > 0
+    if torch.device(device).type == "cpu":
+        assert_identical(patched, unpatched, "mistral_large4 with a trainable alpha")
+    else:
+        truth = run(copy.deepcopy(model).double(), ids)
+        assert_fp32_close(patched, unpatched, truth, "mistral_large4 with a trainable alpha")
+
+
+def test_rope_widths_match_the_library():
+    from mlarope._checks import ROPE_DIMS
+
+    assert _rotation.ROPE_DIMS == ROPE_DIMS == mlarope.SUPPORTED_ROPE_DIMS
+
+
+def test_info_lists_the_families(capsys, monkeypatch, tmp_path):
+    """``mlarope info``: every family, patched or not and why; the second run reads the
+    on-disk copy (no modeling module needed) and prints the same."""
+    from mlarope.tools import cli
+
+    monkeypatch.setenv("MLAROPE_CACHE_DIR", str(tmp_path))
+    assert cli.main(["info"]) == 0
+    first = capsys.readouterr().out
+    assert list(tmp_path.glob("transformers-families-*.json"))
+    assert cli.main(["info"]) == 0
+    assert capsys.readouterr().out == first
+    assert f"transformers {transformers.__version__}: MLA families" in first
+    for name, row in REPORT.items():
+        line = next(line for line in first.splitlines() if line.startswith(name + " "))
+        assert row.status in line, line
+    assert "glm5_next" in first and "nothing to patch" in first
