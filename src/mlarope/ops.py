@@ -41,23 +41,11 @@ def compiling() -> bool:
 
 
 # ---------------------------------------------------------------------------------- records
-def _positions(call: QueryCall | KVCall) -> Positions:
-    return Positions(
-        call.layout, call.cu_seqlens, call.position_ids, call.cp_rank, call.cp_size,
-        call.searched,
-    )  # fmt: skip
-
-
 @dataclass(frozen=True, slots=True)
-class QueryCall:
-    """What the query op needs besides the tensor it rotates, ``x: [tokens..., H, N + R]``.
-
-    ``cos, sin: [P, R]``; the position source (``cu_seqlens``, ``position_ids``, ``searched``,
-    ``layout``, ``cp_rank``, ``cp_size``: :class:`mlarope.positions.Positions`); the pair layout
-    read (``interleaved_in``) and written (``interleaved_out``); ``inverse`` (the opposite
-    angle); ``transpose`` (``R^T``, the backward: read in ``interleaved_out``'s layout's place,
-    see :meth:`transposed`).
-    """
+class _RotationCall:
+    """What both ops share: ``cos, sin: [P, R]`` and the position source (``cu_seqlens``,
+    ``position_ids``, ``searched``, ``layout``, ``cp_rank``, ``cp_size``: see
+    :class:`mlarope.positions.Positions`)."""
 
     cos: Tensor
     sin: Tensor
@@ -67,13 +55,26 @@ class QueryCall:
     layout: str
     cp_rank: int
     cp_size: int
+
+    def positions(self) -> Positions:
+        return Positions(
+            self.layout, self.cu_seqlens, self.position_ids, self.cp_rank, self.cp_size,
+            self.searched,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class QueryCall(_RotationCall):
+    """What the query op needs besides the tensor it rotates, ``x: [tokens..., H, N + R]``:
+    the tables and positions (:class:`_RotationCall`); the pair layout read
+    (``interleaved_in``) and written (``interleaved_out``); ``inverse`` (the opposite angle);
+    ``transpose`` (``R^T``, the backward: see :meth:`transposed`).
+    """
+
     interleaved_in: bool
     interleaved_out: bool
     inverse: bool
     transpose: bool
-
-    def positions(self) -> Positions:
-        return _positions(self)
 
     def transposed(self) -> QueryCall:
         """``R^T`` of this call's ``R`` (and back): read in the output layout, write in the input
@@ -85,33 +86,20 @@ class QueryCall:
 
 
 @dataclass(frozen=True, slots=True)
-class KVCall:
+class KVCall(_RotationCall):
     """What the key/value op ``F: (kv, k_pe) -> (k, v)`` and its backward
-    ``B: (dk, dv) -> (dkv, dk_pe)`` need besides those tensors.
-
-    As :class:`QueryCall` for the tables and positions; ``interleaved_in`` is ``k_pe``'s pair
-    layout, ``interleaved_out`` the layout of ``k``'s rope channels; ``k_dim``: ``K``;
-    ``copy_v`` (``F`` only): write ``v`` (else the caller takes the view ``kv[..., K:]``);
-    ``megatron_rounding`` (``B`` only; ``mlarope.compat.megatron`` alone sets it): ``dk_pe``
-    rounded where Megatron-Core rounds it.
+    ``B: (dk, dv) -> (dkv, dk_pe)`` need besides those tensors: the tables and positions
+    (:class:`_RotationCall`); ``k_dim``: ``K``; ``interleaved_in``: ``k_pe``'s pair layout;
+    ``interleaved_out``: the layout of ``k``'s rope channels; ``copy_v`` (``F`` only): write
+    ``v`` (else the caller takes the view ``kv[..., K:]``); ``megatron_rounding`` (``B`` only;
+    ``mlarope.compat.megatron`` alone sets it): ``dk_pe`` rounded where Megatron-Core rounds it.
     """
 
-    cos: Tensor
-    sin: Tensor
-    cu_seqlens: Tensor | None
-    position_ids: Tensor | None
-    searched: Tensor | None
-    layout: str
-    cp_rank: int
-    cp_size: int
     k_dim: int
     interleaved_in: bool
     interleaved_out: bool
     copy_v: bool
     megatron_rounding: bool
-
-    def positions(self) -> Positions:
-        return _positions(self)
 
 
 def call_args(call: QueryCall | KVCall) -> tuple:
