@@ -488,12 +488,11 @@ def test_cuda_graph_decode_step(fmt):
         }  # fmt: skip
         for dst, src in new.items():
             dst.copy_(src)
-        expected_cache = cache.clone()
+        expected_cache = cache.cpu()  # before the step, then written by the reference
         ref.append_kv_cache(
-            kv_c.cpu(), k_pe.cpu(), cos.cpu(), sin.cpu(), positions.cpu(),
-            expected_cache.cpu(), None, slots.cpu(), cache_format=fmt,
-            kv_scale=None if kv_scale is None else scale.cpu(), interleaved_in=True,
-            interleaved_out=True,
+            kv_c.cpu(), k_pe.cpu(), cos.cpu(), sin.cpu(), positions.cpu(), expected_cache, None,
+            slots.cpu(), cache_format=fmt, kv_scale=None if kv_scale is None else scale.cpu(),
+            interleaved_in=True, interleaved_out=True,
         )  # fmt: skip
         graph.replay()
         torch.cuda.synchronize()
@@ -504,14 +503,15 @@ def test_cuda_graph_decode_step(fmt):
         )  # fmt: skip
         got_q = out.cpu().view(torch.uint8)
         want_q = expected_q.view(torch.uint8)
-        # the rope codes may differ by one step where fma and the reference's products differ
-        assert (got_q.int() - want_q.int()).abs().max() <= 1
         assert torch.equal(got_q[..., :L], want_q[..., :L])
-        _assert_cache_close(cache.cpu(), _expected(cache, expected_cache), fmt)
+        # rope codes: at most one step apart (fused multiply-adds in the kernel)
+        _assert_codes_close(got_q[..., L:], want_q[..., L:])
+        _assert_cache_close(cache.cpu(), expected_cache, fmt)
 
 
-def _expected(cache, expected_cache):
-    return expected_cache.cpu()
+def _assert_codes_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    a, b = ref.e4m3_decode(got).double(), ref.e4m3_decode(want).double()
+    assert bool(((a - b).abs() <= ref.e4m3_step(torch.maximum(a.abs(), b.abs()))).all())
 
 
 def _assert_cache_close(got, want, fmt):
@@ -519,10 +519,10 @@ def _assert_cache_close(got, want, fmt):
         assert torch.equal(got[..., :528], want[..., :528])  # codes and tile scales: exact
         rope_got = got[..., 528:].contiguous().view(torch.bfloat16).float()
         rope_want = want[..., 528:].contiguous().view(torch.bfloat16).float()
-        assert torch.allclose(rope_got, rope_want, rtol=2**-8, atol=0)
+        assert torch.allclose(rope_got, rope_want, rtol=2**-7, atol=0)
     else:
         assert torch.equal(got[..., :L], want[..., :L])
-        assert (got[..., L:].int() - want[..., L:].int()).abs().max() <= 1
+        _assert_codes_close(got[..., L:], want[..., L:])
 
 
 @pytest.mark.gpu
@@ -541,3 +541,34 @@ def test_one_cuda_kernel_per_call():
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         assert len(kernels) == 1, [e.name for e in kernels]
+
+
+def test_demo_serving(device, capsys):
+    """``python -m mlarope demo --serving`` on this lane's backend: decode steps through the
+    FP8 cache, checked against the reference."""
+    from mlarope import demo
+
+    assert demo.main(["--serving", "--device", device.type, "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_656 cache" in out and "demo passed" in out
+
+
+def test_docs_example_runs_as_pasted(tmp_path):
+    """docs/serving.md's first example, on the lane's device."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected = "torch.Size([4, 16, 576]) torch.Size([2, 512]) torch.Size([2, 64])"
+    assert result.stdout.strip() == expected

@@ -96,18 +96,19 @@ def test_pow2_tile_scales_exact():
 
 # ----------------------------------------------------------------------------- inside a kernel
 @triton.jit
-def _encode_kernel(x_ptr, e4m3_ptr, bf16_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+def _encode_kernel(x_ptr, e4m3_ptr, bf16_ptr, scale_ptr, n, BLOCK: tl.constexpr,
+                   NATIVE: tl.constexpr):  # fmt: skip
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     x = tl.load(x_ptr + o, mask=m, other=0.0)
-    tl.store(e4m3_ptr + o, e4m3_codes(x).to(tl.uint8), mask=m)
-    tl.store(bf16_ptr + o, bf16_bits(x), mask=m)
+    tl.store(e4m3_ptr + o, e4m3_codes(x, NATIVE), mask=m)
+    tl.store(bf16_ptr + o, bf16_bits(x, NATIVE), mask=m)
     bits, inverse = pow2_tile_scales(tl.where(x == x, tl.abs(x), 0.0))
     tl.store(scale_ptr + o, bits, mask=m)
     tl.device_assert((inverse * bits.to(tl.float32, bitcast=True) == 1.0) | ~m)
 
 
-def _kernel_encoders(device):
+def _kernel_encoders(device, native: bool):
     def run(x: torch.Tensor):
         x = x.to(device)
         n = x.numel()
@@ -115,15 +116,25 @@ def _kernel_encoders(device):
         bf16 = torch.empty(n, dtype=torch.int16, device=device)
         scales = torch.empty(n, dtype=torch.int32, device=device)
         block = 4096
-        _encode_kernel[(triton.cdiv(n, block),)](x, e4m3, bf16, scales, n, BLOCK=block)
+        grid = (triton.cdiv(n, block),)
+        _encode_kernel[grid](x, e4m3, bf16, scales, n, BLOCK=block, NATIVE=native)
         return e4m3.cpu(), bf16.cpu(), scales.cpu().view(torch.float32)
 
     return run
 
 
-def test_kernel_encoders_bitwise(device):
+# The encoder paths: integer operations (the interpreter's, and the GPU's when asked), and the
+# hardware conversions that compiled kernels use (``native_casts``), GPU lane only.
+PATHS = [
+    pytest.param(False, id="integer"),
+    pytest.param(True, id="native", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_kernel_encoders_bitwise(device, native):
     """The kernels' encoders give torch's bits on this lane's backend (interpreter or GPU)."""
-    run = _kernel_encoders(device)
+    run = _kernel_encoders(device, native)
     x = torch.cat((_hard_values(), _amax_values()))
     x = x[~x.isnan()]
     e4m3, bf16, scales = run(x)
@@ -136,10 +147,11 @@ def test_kernel_encoders_bitwise(device):
     assert torch.isnan(nan_bf16.view(torch.bfloat16)).all()
 
 
+@pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_bf16_rounding_every_input(device, dtype):
+def test_kernel_bf16_rounding_every_input(device, dtype, native):
     """fp32 values that are not bf16: every 16-bit pattern with random low bits."""
-    run = _kernel_encoders(device)
+    run = _kernel_encoders(device, native)
     base = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).float()
     gen = torch.Generator().manual_seed(3)
     low = torch.randint(0, 2**16, base.shape, generator=gen, dtype=torch.int32)

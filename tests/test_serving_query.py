@@ -12,6 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+# Imported before a test sets TRITON_INTERPRET=0 for the PyTorch backend: Triton decides at a
+# kernel's import whether it runs interpreted.
+import mlarope.kernels.q
+import mlarope.kernels.serving  # noqa: F401
 from mlarope import serving
 from mlarope.serving import reference as ref
 from tests.serving_support import assert_within, rope_arith, rope_truth, stored_tolerance, tables

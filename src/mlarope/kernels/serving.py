@@ -11,9 +11,8 @@
   rotated in fp32 and rounded (or quantized) once.
 
 Every destination is written through an integer view of its memory (``uint8`` FP8 codes,
-``int16`` 16-bit floats, ``int32`` fp32 bits), and every rounding is done here with integer
-operations, the same on the GPU and under Triton's interpreter, whose own fp32 -> bf16 cast
-truncates and whose fp32 -> fp8 cast loses the carry into the exponent (docs/serving.md):
+``int16`` 16-bit floats, ``int32`` fp32 bits), and every rounding gives torch's bits on both
+backends:
 
 - bf16: round to nearest even (``bf16_bits``);
 - FP8 e4m3: round to nearest even, saturating to +-448 (``inf`` too), NaN to a NaN code
@@ -23,6 +22,10 @@ truncates and whose fp32 -> fp8 cast loses the carry into the exponent (docs/ser
   approximate division on the GPU), as ``x / scale`` in PyTorch;
 - FlashMLA's per-tile scale ``2 ** ceil(log2(amax / 448))``, at least ``2 ** -13``, from the
   bits of ``amax`` (``pow2_tile_scales``): exact, so both backends store the same scale bits.
+
+Compiled kernels use the hardware's conversions for the first two (``native_casts``); under
+Triton's interpreter, whose own fp32 -> bf16 cast truncates and whose fp32 -> fp8 cast loses
+the carry into the exponent (docs/serving.md), integer operations do them.
 
 Core pieces used here (one import block below): the table rows and the rotation of
 ``kernels/_lookup.py``, the launcher of ``kernels/_launch.py`` and the head-major grid of
@@ -42,6 +45,7 @@ import triton.language as tl
 from ._launch import DirectLauncher
 from ._lookup import load_table_halves, next_power_of_2, rotate
 from ._tiles import program_tile, tile_grid
+from ._triton_compat import INTERPRETED
 
 # How a part of an entry is stored (constexpr NOPE_MODE / ROPE_MODE).
 COPY = tl.constexpr(0)  # nope: the input's bits, copied
@@ -62,9 +66,14 @@ MIN_TILE_EXPONENT = 114  # biased exponent of 2**-13, the smallest tile scale
 
 # ---------------------------------------------------------------------------------- encoders
 @triton.jit
-def e4m3_codes(x):
-    """fp32 -> int32 FP8 e4m3fn codes (0..255): round to nearest even, magnitudes saturated to
-    448 (infinities included), NaN to ``0x7F`` with the sign bit of ``x``."""
+def e4m3_codes(x, NATIVE: tl.constexpr):
+    """fp32 -> uint8 FP8 e4m3fn codes: round to nearest even, magnitudes saturated to 448
+    (infinities included), NaN to a NaN code (``0x7F``, or ``0xFF`` by integer operations for a
+    negative NaN). ``NATIVE``: the hardware conversion (compiled code: ``cvt.rn.satfinite``),
+    else integer operations (the interpreter, whose own conversion is wrong)."""
+    if NATIVE:
+        x = tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        return x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -82,12 +91,15 @@ def e4m3_codes(x):
     q += ((rest > half) | ((rest == half) & ((q & 1) == 1))).to(tl.int32)
     code = tl.where(mag < 0x3C800000, q, normal)
     code = tl.where(is_nan, 0x7F, code)
-    return code | sign
+    return (code | sign).to(tl.uint8)
 
 
 @triton.jit
-def bf16_bits(x):
-    """fp32 -> int16 bits of the bf16 nearest to ``x`` (ties to even; NaN stays NaN)."""
+def bf16_bits(x, NATIVE: tl.constexpr):
+    """fp32 -> int16 bits of the bf16 nearest to ``x`` (ties to even; NaN stays NaN).
+    ``NATIVE``: the hardware conversion, else integer operations (the interpreter truncates)."""
+    if NATIVE:
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
     bits = x.to(tl.int32, bitcast=True)
     mag = bits & 0x7FFFFFFF
     sign = (bits >> 16) & 0x8000
@@ -122,16 +134,16 @@ def _per_tensor_scale(scale_ptr, scale_value, SCALE_MODE: tl.constexpr):
 
 
 @triton.jit
-def _encode(x, scale, MODE: tl.constexpr):
+def _encode(x, scale, MODE: tl.constexpr, NATIVE: tl.constexpr):
     """fp32 rope values -> the bits the destination stores."""
     if MODE == FP32:
         return x.to(tl.int32, bitcast=True)
     elif MODE == FP16:
         return x.to(tl.float16).to(tl.int16, bitcast=True)
     elif MODE == BF16:
-        return bf16_bits(x)
+        return bf16_bits(x, NATIVE)
     else:
-        return e4m3_codes(tl.math.div_rn(x, scale)).to(tl.uint8)
+        return e4m3_codes(tl.math.div_rn(x, scale), NATIVE)
 
 
 @triton.jit
@@ -192,6 +204,7 @@ def _rope_append_kernel(
     SCALE_MODE: tl.constexpr,
     INTERLEAVED_IN: tl.constexpr,
     INTERLEAVED_OUT: tl.constexpr,
+    NATIVE: tl.constexpr,  # native_casts()
 ):  # fmt: skip
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     m_t = o_t < n_tokens
@@ -212,8 +225,8 @@ def _rope_append_kernel(
     if NOPE_MODE == COPY:
         tl.store(nope_ptr + nope_row + c, x, mask=m_c)
     elif NOPE_MODE == E4M3:
-        codes = e4m3_codes(tl.math.div_rn(x.to(tl.float32), scale))
-        tl.store(nope_ptr + nope_row + c, codes.to(tl.uint8), mask=m_c)
+        codes = e4m3_codes(tl.math.div_rn(x.to(tl.float32), scale), NATIVE)
+        tl.store(nope_ptr + nope_row + c, codes, mask=m_c)
     else:
         tl.static_assert(L % 128 == 0)
         tl.static_assert(BLOCK_L == L)
@@ -223,8 +236,8 @@ def _rope_append_kernel(
         amax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=2)
         scale_bits, inverse = pow2_tile_scales(amax)
         # x * (1 / s) with a power-of-two s is exactly x / s.
-        codes = tl.reshape(e4m3_codes(x * inverse[:, :, None]), (BLOCK_T, L))
-        tl.store(nope_ptr + nope_row + c, codes.to(tl.uint8), mask=m_c)
+        codes = tl.reshape(e4m3_codes(x * inverse[:, :, None], NATIVE), (BLOCK_T, L))
+        tl.store(nope_ptr + nope_row + c, codes, mask=m_c)
         i = tl.arange(0, L // 128)[None, :]
         tile_row = (block * stride_tile_b + entry * stride_tile_s)[:, None] + TILE_OFFSET
         tl.store(tile_ptr + tile_row + i, scale_bits, mask=m_w[:, None] & (i < L // 128))
@@ -245,8 +258,8 @@ def _rope_append_kernel(
     )  # fmt: skip
     rope_row = (block * stride_rope_b + entry * stride_rope_s)[:, None, None] + ROPE_OFFSET
     _store_pairs(
-        rope_ptr, rope_row, m_pe, _encode(out_a, scale, ROPE_MODE),
-        _encode(out_b, scale, ROPE_MODE), BLOCK_T, 1, HALF, INTERLEAVED_OUT,
+        rope_ptr, rope_row, m_pe, _encode(out_a, scale, ROPE_MODE, NATIVE),
+        _encode(out_b, scale, ROPE_MODE, NATIVE), BLOCK_T, 1, HALF, INTERLEAVED_OUT,
     )  # fmt: skip
 
 
@@ -273,6 +286,7 @@ def _rope_decode_query_kernel(
     SCALE_MODE: tl.constexpr,
     INTERLEAVED_IN: tl.constexpr,
     INTERLEAVED_OUT: tl.constexpr,
+    NATIVE: tl.constexpr,  # native_casts()
 ):  # fmt: skip
     i_t, i_h = program_tile(n_head_blocks)
     o_t = i_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
@@ -298,7 +312,7 @@ def _rope_decode_query_kernel(
         m = m_row & (c < L)
         x = tl.load(qn_ptr + qn_row + c, mask=m)
         if NOPE_MODE == E4M3:
-            x = e4m3_codes(tl.math.div_rn(x.to(tl.float32), scale)).to(tl.uint8)
+            x = e4m3_codes(tl.math.div_rn(x.to(tl.float32), scale), NATIVE)
         tl.store(out_ptr + o_row + c, x, mask=m)
 
     out_a, out_b = rotate(
@@ -306,12 +320,25 @@ def _rope_decode_query_kernel(
         (o_t < 0)[:, None, None], (~in_range)[:, None, None], False, False,
     )  # fmt: skip
     _store_pairs(
-        out_ptr, o_row + L, m_row, _encode(out_a, scale, ROPE_MODE),
-        _encode(out_b, scale, ROPE_MODE), BLOCK_T, BLOCK_H, HALF, INTERLEAVED_OUT,
+        out_ptr, o_row + L, m_row, _encode(out_a, scale, ROPE_MODE, NATIVE),
+        _encode(out_b, scale, ROPE_MODE, NATIVE), BLOCK_T, BLOCK_H, HALF, INTERLEAVED_OUT,
     )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- launchers
+# Compiled kernels round and quantize with the hardware's conversions (``cvt.rn.bf16.f32``,
+# ``cvt.rn.satfinite.e4m3x2.f32``: one instruction, where the integer encoder takes about 30
+# integer operations an element, which would make FP8 outputs compute-bound at prefill
+# sizes); the interpreter with integer operations. Both give torch's bits (the numerics
+# tests check each path on its lane, and both on the GPU). The serving benchmark's --sweep
+# sets this to False to time the integer path on the GPU.
+NATIVE_CASTS = True
+
+
+def native_casts() -> bool:
+    return NATIVE_CASTS and not INTERPRETED
+
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _ROPE_MODES = {torch.float32: 3, torch.float16: 4, torch.bfloat16: 5}
 
@@ -429,6 +456,7 @@ def rope_append_launch(
         stride_tile_b, stride_tile_s,
         rope_offset, tile_offset, latent, next_power_of_2(latent), cos.shape[1] // 2,
         config.block_t, nope_mode, rope_mode, scale_mode, interleaved_in, interleaved_out,
+        native_casts(),
     )  # fmt: skip
 
 
@@ -464,7 +492,7 @@ def rope_decode_query_launch(
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         out_bits.stride(0), out_bits.stride(1), positions.stride(0), cos.stride(0),
         latent, cos.shape[1] // 2, config.block_t, config.block_h, config.block_c,
-        nope_mode, rope_mode, scale_mode, interleaved_in, interleaved_out,
+        nope_mode, rope_mode, scale_mode, interleaved_in, interleaved_out, native_casts(),
     )  # fmt: skip
 
 

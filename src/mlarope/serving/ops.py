@@ -32,6 +32,19 @@ def rope_append_kv_cache_impl(
             interleaved_in=interleaved, interleaved_out=interleaved_out,
         )  # fmt: skip
         return
+    append_with_kernel(
+        kv_c, k_pe, cos, sin, positions, cache, kpe_cache, slot_mapping, scale, scale_value,
+        cache_format, interleaved, interleaved_out,
+    )  # fmt: skip
+
+
+def append_with_kernel(
+    kv_c: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache: Tensor,
+    kpe_cache: Tensor | None, slot_mapping: Tensor, scale: Tensor | None, scale_value: float,
+    cache_format: str, interleaved: bool, interleaved_out: bool, config=None,
+) -> None:  # fmt: skip
+    """The Triton backend of :func:`rope_append_kv_cache_impl`; ``config``: a
+    ``kernels.serving.AppendConfig`` instead of the heuristic's (the benchmark's sweep)."""
     from ..kernels import serving as kernels
 
     cos, sin = _same_table_strides(cos, sin)
@@ -41,7 +54,7 @@ def rope_append_kv_cache_impl(
             kv_c, k_pe, cos, sin, positions, slot_mapping, records, records.view(torch.int16),
             records.view(torch.int32), rope_offset=reference.FP8_656_ROPE_AT // 2,
             nope_mode=2, rope_mode=5, scale=None, scale_value=1.0, interleaved_in=interleaved,
-            interleaved_out=interleaved_out,
+            interleaved_out=interleaved_out, config=config,
         )  # fmt: skip
         return
     fp8 = cache.dtype in (torch.float8_e4m3fn, torch.uint8)
@@ -52,6 +65,7 @@ def rope_append_kv_cache_impl(
         rope_dst, None, rope_offset=kv_c.shape[1] if kpe_cache is None else 0,
         nope_mode=1 if fp8 else 0, rope_mode=kernels.rope_mode(cache.dtype), scale=scale,
         scale_value=scale_value, interleaved_in=interleaved, interleaved_out=interleaved_out,
+        config=config,
     )  # fmt: skip
 
 
@@ -71,13 +85,27 @@ def rope_decode_query_out_impl(
         with torch.no_grad():
             out.copy_(result)
         return
+    query_with_kernel(
+        q_nope, q_pe, cos, sin, positions, out, scale, scale_value, interleaved, interleaved_out
+    )
+
+
+def query_with_kernel(
+    q_nope: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, out: Tensor,
+    scale: Tensor | None, scale_value: float, interleaved: bool, interleaved_out: bool,
+    config=None,
+) -> None:  # fmt: skip
+    """The Triton backend of :func:`rope_decode_query_out_impl` (``config``: a
+    ``kernels.serving.QueryConfig``, for the benchmark's sweep)."""
     from ..kernels import serving as kernels
 
+    fp8 = out.dtype == torch.float8_e4m3fn
     cos, sin = _same_table_strides(cos, sin)
     kernels.rope_decode_query_launch(
         q_nope if fp8 else kernels.bits(q_nope), q_pe, kernels.bits(out), cos, sin, positions,
         nope_mode=1 if fp8 else 0, rope_mode=kernels.rope_mode(out.dtype), scale=scale,
         scale_value=scale_value, interleaved_in=interleaved, interleaved_out=interleaved_out,
+        config=config,
     )  # fmt: skip
 
 
