@@ -15,7 +15,7 @@
 #   .megatron-lm; transformers_layers = one real-size attention layer of DeepSeek-V3,
 #   GLM-4.7-Flash and MiniCPM3 through transformers, unpatched and patched,
 #   benchmarks/transformers_layers.py; serving = mlarope.serving's GPU tests, then its
-#   benchmark with the launch-config sweep, writing serving.json and serving.md)
+#   benchmark, writing serving.json and serving.md)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -101,12 +101,14 @@ for step in "${steps[@]}"; do
     serving)
       # mlarope.serving (docs/serving.md): its tests on the GPU (summary only), then the
       # benchmark: prefill and decode per cache format, the unfused sequence, FlashInfer when it
-      # imports, and the launch-config sweep (docs/benchmarks.md, "Serving").
+      # imports (docs/benchmarks.md, "Serving"). SERVING_ARGS: more arguments, e.g. "--sweep"
+      # (other launch configurations and the integer FP8 encoder; about a minute of compiles).
       timeout "${SERVING_TESTS_SECONDS:-150}" python3 -m pytest -q -n 8 --device cuda \
         -p no:cacheprovider -rfE tests/test_serving_*.py 2>&1 | tail -15
       [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
-      timeout "${SERVING_SECONDS:-240}" python3 -m mlarope.serving.bench --sweep --out "$OUT" \
-        2>&1 | tail -100 ;;
+      # shellcheck disable=SC2086
+      timeout "${SERVING_SECONDS:-240}" python3 -m mlarope.serving.bench --out "$OUT" \
+        ${SERVING_ARGS:-} 2>&1 | tail -100 ;;
     compile_debug)
       # Inductor's generated code for the torch.compile tests of the query op (how the CUDA-only
       # compiled-gradient bug was found and its fix checked; docs/gpu_lane.md).

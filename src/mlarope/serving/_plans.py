@@ -53,9 +53,14 @@ class Plan:
     ``alloc``: for an op that returns a new tensor, ``(shape, dtype)`` of it; it is passed at
     the recorded index after the call's tensors and returned."""
 
-    __slots__ = ("alloc", "apart", "launch", "scalar_index", "slots", "template", "views")
+    __slots__ = (
+        "alloc", "apart", "launch", "scalar_index", "slots", "template", "through", "views",
+    )  # fmt: skip
 
     def __init__(self, launch, template, slots, views, scalar_index, alloc, apart):
+        from ..kernels._launch import _through_triton
+
+        self.through = _through_triton  # launch hooks or debug mode: Triton's own launch path
         self.launch = launch
         self.template = template  # the launch arguments, tensors replaced by None
         self.slots = slots  # ((argument index, tensor index), ...)
@@ -64,8 +69,8 @@ class Plan:
         self.alloc = alloc
         self.apart = apart  # ((written index, its span, read index, its span), ...)
 
-    def __call__(self, tensors: tuple, scale_value: float | None):
-        if self.apart and _overlap(tensors, self.apart):
+    def __call__(self, tensors: tuple, scale_value: float | None, addresses: list[int]):
+        if self.apart and _overlap(addresses, self.apart):
             return MISSING
         out = None
         if self.alloc is not None:
@@ -75,7 +80,7 @@ class Plan:
         args = self.template.copy()
         launch = self.launch
         kernel = launch.kernel
-        if kernel is not None and not _through_triton(launch.launcher.fn):
+        if kernel is not None and not self.through(launch.launcher.fn):
             for index, source in self.slots:
                 args[index] = tensors[source]
             if self.scalar_index is not None:
@@ -99,18 +104,12 @@ def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype)
 
 
-def _overlap(tensors: tuple, apart: tuple) -> bool:
+def _overlap(addresses: list[int], apart: tuple) -> bool:
     for written, w_span, read, r_span in apart:
-        w0, r0 = tensors[written].data_ptr(), tensors[read].data_ptr()
+        w0, r0 = addresses[written], addresses[read]
         if w0 < r0 + r_span and r0 < w0 + w_span:
             return True
     return False
-
-
-def _through_triton(fn) -> bool:
-    from ..kernels._launch import _through_triton
-
-    return _through_triton(fn)
 
 
 # ---------------------------------------------------------------------------------- signatures
@@ -139,17 +138,24 @@ def _scale_kind(scale):
     return False, None
 
 
-def _key_of(tensors: tuple) -> int | None:
-    """Every tensor's address modulo 16, 4 bits each, or None if one is not a plain tensor
-    with storage."""
-    bits = 0
+def _addresses(tensors: tuple) -> list[int] | None:
+    """Every tensor's address, or None if one is not a plain tensor with storage (a subclass,
+    vmap's batched tensors, None where a tensor belongs): those calls take the pipeline."""
     try:
-        for t in tensors:
-            if t.__class__ is not torch.Tensor:
-                return None
-            bits = bits << 4 | (t.data_ptr() & 15)
-    except RuntimeError:
+        addresses = [t.data_ptr() for t in tensors]
+    except (RuntimeError, AttributeError):
         return None
+    for t in tensors:
+        if t.__class__ is not torch.Tensor:
+            return None
+    return addresses
+
+
+def _alignment(addresses: list[int]) -> int:
+    """Every address modulo 16, 4 bits each."""
+    bits = 0
+    for a in addresses:
+        bits = bits << 4 | (a & 15)
     return bits
 
 
@@ -157,8 +163,8 @@ def append_signature(
     kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale, interleaved,
     interleaved_out, validate,
 ):  # fmt: skip
-    """``(key, tensors, scale_value)`` of a ``rope_append_kv_cache`` call, or None if it cannot
-    have a plan. ``tensors``: the inputs, the cache(s), then a tensor scale."""
+    """``(key, tensors, scale_value, addresses)`` of a ``rope_append_kv_cache`` call, or None if
+    it cannot have a plan. ``tensors``: the inputs, the cache(s), then a tensor scale."""
     if not _plain(validate, interleaved, interleaved_out) or cache_format.__class__ is not str:
         return None
     kind, value = _scale_kind(kv_scale)
@@ -172,21 +178,22 @@ def append_signature(
         tensors = (kv_c, k_pe, cos, sin, positions, slot_mapping, cache)
     if kind is torch.Tensor:
         tensors = (*tensors, kv_scale)
-    alignment = _key_of(tensors)
-    if alignment is None:
+    addresses = _addresses(tensors)
+    if addresses is None:
         return None
     key = (
         "append", cache_format, interleaved, interleaved_out, kind, len(tensors), kv_c.shape,
-        alignment, _device_key(kv_c), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+        _alignment(addresses), _device_key(kv_c), torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
     )  # fmt: skip
-    return key, tensors, value
+    return key, tensors, value, addresses
 
 
 def query_signature(
     q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved, interleaved_out,
     validate,
 ):  # fmt: skip
-    """``(key, tensors, scale_value)`` of a ``rope_decode_query`` call, or None."""
+    """``(key, tensors, scale_value, addresses)`` of a ``rope_decode_query`` call, or None."""
     if not _plain(validate, interleaved, interleaved_out):
         return None
     kind, value = _scale_kind(q_scale)
@@ -197,15 +204,15 @@ def query_signature(
         tensors = (*tensors, q_scale)
     if out is not None:
         tensors = (*tensors, out)
-    alignment = _key_of(tensors)
-    if alignment is None:
+    addresses = _addresses(tensors)
+    if addresses is None:
         return None
     key = (
         "query", interleaved, interleaved_out, kind, out is None, out_dtype, len(tensors),
-        q_nope.shape, alignment, _device_key(q_nope), torch.is_grad_enabled(),
+        q_nope.shape, _alignment(addresses), _device_key(q_nope), torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
     )  # fmt: skip
-    return key, tensors, value
+    return key, tensors, value, addresses
 
 
 def find(signature):
@@ -213,7 +220,7 @@ def find(signature):
     was recorded without one; MISSING where it is to be recorded."""
     if signature is None:
         return None
-    key, tensors, _ = signature
+    key, tensors = signature[0], signature[1]
     for guard, plan in plans.get(key, ()):
         if guard(*tensors):
             return plan
@@ -223,7 +230,7 @@ def find(signature):
 def record(signature, launches: list, written: tuple[int, ...], out=None) -> None:
     """Store the plan of a call from its pipeline's launches (``written``: the indices of the
     tensors it writes; ``out``: the tensor it returned, for an out-of-place call)."""
-    key, tensors, value = signature
+    key, tensors, value = signature[0], signature[1], signature[2]
     if len(plans) >= _MAX_KEYS:
         plans.clear()
     entries = plans.setdefault(key, [])
@@ -261,12 +268,11 @@ def _plan_from(tensors, value, launches, written, out) -> Plan | None:
         alloc = (tuple(out.shape), out.dtype)
     spans = [_span(t) for t in everything]
     # Each written tensor against every other tensor of the call (a new output excepted).
-    others = [i for i in range(len(tensors))]
     apart = tuple(
         (w, spans[w], r, spans[r])
         for w in written
-        for r in others
-        if r != w and not (r in written and r < w)
+        for r in range(len(tensors))
+        if r != w and not (r in written and r < w) and spans[r] and spans[w]
     )
     return Plan(launch, template, tuple(slots), tuple(views), scalar_index, alloc, apart)
 

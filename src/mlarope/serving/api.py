@@ -68,7 +68,7 @@ def rope_append_kv_cache(
     )  # fmt: skip
     plan = _plans.find(signature)
     if plan.__class__ is _plans.Plan:  # a repeated eager call
-        if plan(signature[1], signature[2]) is not _plans.MISSING:
+        if plan(signature[1], signature[2], signature[3]) is not _plans.MISSING:
             return
         plan = None
     call = formats.check_append_call(
@@ -129,7 +129,7 @@ def rope_decode_query(
     )  # fmt: skip
     plan = _plans.find(signature)
     if plan.__class__ is _plans.Plan:  # a repeated eager call
-        result = plan(signature[1], signature[2])
+        result = plan(signature[1], signature[2], signature[3])
         if result is not _plans.MISSING:
             return out if out is not None else result
         plan = None
