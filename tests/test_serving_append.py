@@ -54,6 +54,7 @@ class Case:
     pe_3d: bool = False  # k_pe [T, 1, R]
     record_4d: bool = False  # fp8_656 cache [blocks, block_size, 1, 656]
     tokens: int = 7
+    block_size: int = 4  # a power of two (a shift in the kernel) or not (a division)
 
 
 CASES = [
@@ -65,7 +66,9 @@ CASES = [
     Case(cache_dtype=torch.float8_e4m3fn),
     Case(cache_dtype=torch.uint8, scale="tensor", interleaved=False, interleaved_out=False),
     Case(dtype=torch.float16, cache_dtype=torch.float8_e4m3fn, fused=True),
-    Case(fmt="split"),
+    # a page size that is not a power of two (the kernel divides), pages padded so that the
+    # division matters: slot * entry stride is no longer the address
+    Case(fmt="split", block_size=3, padded_blocks=True),
     Case(fmt="split", dtype=torch.float32, rope=32, padded_blocks=True, index_dtype=torch.int32),
     Case(fmt="split", cache_dtype=torch.float8_e4m3fn, scale="tensor"),
     Case(fmt="fp8_656", latent=512, tokens=5),
@@ -80,7 +83,7 @@ CASES = [
         tokens=5,
     ),
 ]
-BLOCK_SIZE, N_BLOCKS, ROWS = 4, 3, 40
+N_BLOCKS, ROWS = 3, 40
 KV_SCALE = 0.0625 * 1.1
 
 
@@ -103,11 +106,11 @@ def _random_bytes(shape, dtype, device, gen) -> torch.Tensor:
 
 def _make_cache(case: Case, device, gen):
     """The cache (as the op takes it) and its byte views ``[blocks, block_size, entry_bytes]``."""
-    entries = BLOCK_SIZE + (1 if case.padded_blocks else 0)
+    entries = case.block_size + (1 if case.padded_blocks else 0)
 
     def alloc(width, dtype):
         full = _random_bytes((N_BLOCKS, entries, width), dtype, device, gen)
-        return full[:, :BLOCK_SIZE]
+        return full[:, : case.block_size]
 
     if case.fmt == "fp8_656":
         records = alloc(656, torch.uint8)
@@ -134,9 +137,9 @@ def _inputs(case: Case, device, gen):
         kv_c, k_pe = proj[:, :latent], proj[:, latent + 3 :]
     else:
         kv_c, k_pe = proj[:, :latent].contiguous(), proj[:, latent + 3 :].contiguous()
-    capacity = N_BLOCKS * BLOCK_SIZE
+    capacity = N_BLOCKS * case.block_size
     # padding (-1), a negative slot, one past the cache; one position past the table
-    slots = [5, -1, 0, capacity, 11, -5, 2, 7, 8][:t]
+    slots = [5, -1, 0, capacity, capacity - 1, -5, 7, 2, 8][:t]
     positions = [3, 9, ROWS + 2, 0, ROWS - 1, 17, 1, 30, 12][:t]
     slots = torch.tensor(slots, dtype=case.index_dtype, device=device)
     positions = torch.tensor(positions, dtype=case.index_dtype, device=device)
@@ -176,9 +179,9 @@ def _run(case: Case, device, backend: str):
     return before, after, cache, (kv_c, k_pe.reshape(case.tokens, -1), slots, positions, cos, sin)
 
 
-def _written(slots: torch.Tensor) -> list[tuple[int, int]]:
+def _written(slots: torch.Tensor, block_size: int) -> list[tuple[int, int]]:
     """``(token, slot)`` of every written token."""
-    capacity = N_BLOCKS * BLOCK_SIZE
+    capacity = N_BLOCKS * block_size
     return [(t, s) for t, s in enumerate(slots.tolist()) if 0 <= s < capacity]
 
 
@@ -187,14 +190,15 @@ def test_append_against_truth(device, case):
     backends = ["kernel"] if device.type == "cuda" else ["kernel", "reference"]
     results = {b: _run(case, device, b) for b in backends}
     *_, (kv_c, k_pe, slots, positions, cos, sin) = results["kernel"]
-    written = _written(slots.cpu())
+    written = _written(slots.cpu(), case.block_size)
+    bs = case.block_size
 
     for backend, (b0, b1, c, _) in results.items():
         # untouched bytes
         for i, (x0, x1) in enumerate(zip(b0, b1, strict=True)):
             touched = torch.zeros(x0.shape[:2], dtype=torch.bool)
             for _, s in written:
-                touched[s // BLOCK_SIZE, s % BLOCK_SIZE] = True
+                touched[s // bs, s % bs] = True
             changed = (x0 != x1).cpu() & ~touched[..., None]
             assert not changed.any(), f"{backend}: bytes of tensor {i} outside the written slots"
         _check_entries(case, c, kv_c, k_pe, slots, positions, cos, sin, written, backend)
@@ -211,7 +215,7 @@ def _rope_mask(case: Case, shape, written, tensor_index: int) -> torch.Tensor:
     dtype = torch.uint8 if case.fmt == "fp8_656" else case.cache_dtype or case.dtype
     elem = torch.empty((), dtype=dtype).element_size()
     for _, s in written:
-        b, e = s // BLOCK_SIZE, s % BLOCK_SIZE
+        b, e = s // case.block_size, s % case.block_size
         if case.fmt == "fp8_656":
             mask[b, e, ref.FP8_656_ROPE_AT :] = True
         elif case.fmt == "concat":
@@ -234,7 +238,7 @@ def _check_entries(case, cache, kv_c, k_pe, slots, positions, cos, sin, written,
     # latent: exact
     if case.fmt == "fp8_656":
         records = ref.fp8_656_records(cache).cpu()
-        rec = records[chosen // BLOCK_SIZE, chosen % BLOCK_SIZE]
+        rec = records[chosen // case.block_size, chosen % case.block_size]
         want_scales = exact_tile_scales(x)
         scales = rec[:, 512:528].contiguous().view(torch.float32)
         assert torch.equal(scales, want_scales), f"{what}: tile scales"
@@ -246,7 +250,9 @@ def _check_entries(case, cache, kv_c, k_pe, slots, positions, cos, sin, written,
         dtype = case.cache_dtype or case.dtype
         if dtype in (torch.float8_e4m3fn, torch.uint8):
             target = cache if case.fmt == "concat" else cache[0]
-            codes = target.cpu().view(torch.uint8)[chosen // BLOCK_SIZE, chosen % BLOCK_SIZE]
+            codes = target.cpu().view(torch.uint8)[
+                chosen // case.block_size, chosen % case.block_size
+            ]
             want = (x / torch.tensor(KV_SCALE, dtype=torch.float32)).clamp(-448, 448)
             assert torch.equal(
                 codes[:, : case.latent], want.to(torch.float8_e4m3fn).view(torch.uint8)

@@ -195,6 +195,7 @@ def _rope_append_kernel(
     stride_nope_b, stride_nope_s, stride_rope_b, stride_rope_s, stride_tile_b, stride_tile_s,
     ROPE_OFFSET: tl.constexpr,  # first rope element within the rope row (concat: L)
     TILE_OFFSET: tl.constexpr,  # first scale within the int32 row (fp8_656: 512 / 4)
+    BLOCK_SHIFT: tl.constexpr,  # log2(block_size) for a power of two, else -1
     L: tl.constexpr,
     BLOCK_L: tl.constexpr,
     HALF: tl.constexpr,
@@ -212,7 +213,12 @@ def _rope_append_kernel(
     # A token whose slot is not in the cache (-1: padding) reads and writes nothing.
     m_w = m_t & (slot >= 0) & (slot < n_slots)
     slot = tl.where(m_w, slot, 0)
-    block = slot // block_size
+    # A shift where the page size is a power of two (a 64-bit division is a long emulated
+    # sequence on the GPU); BLOCK_SHIFT is a compile-time constant: no select is emitted.
+    if BLOCK_SHIFT >= 0:  # noqa: SIM108
+        block = slot >> BLOCK_SHIFT
+    else:
+        block = slot // block_size
     entry = slot - block * block_size
     pos = tl.load(pos_ptr + o_t * stride_pos, mask=m_w, other=0).to(tl.int64)
     scale = _per_tensor_scale(scale_ptr, scale_value, SCALE_MODE)
@@ -454,10 +460,18 @@ def rope_append_launch(
         cos.stride(0),
         nope_dst.stride(0), nope_dst.stride(1), rope_dst.stride(0), rope_dst.stride(1),
         stride_tile_b, stride_tile_s,
-        rope_offset, tile_offset, latent, next_power_of_2(latent), cos.shape[1] // 2,
+        rope_offset, tile_offset, _shift(nope_dst.shape[1]), latent, next_power_of_2(latent),
+        cos.shape[1] // 2,
         config.block_t, nope_mode, rope_mode, scale_mode, interleaved_in, interleaved_out,
         native_casts(),
     )  # fmt: skip
+
+
+def _shift(block_size: int) -> int:
+    """log2(block_size) for a power of two (every engine's page size), else -1."""
+    return (
+        block_size.bit_length() - 1 if block_size > 0 and block_size & (block_size - 1) == 0 else -1
+    )
 
 
 def rope_decode_query_launch(

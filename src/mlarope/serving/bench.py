@@ -20,6 +20,8 @@ decode batches (1, 8, 64, 256 tokens). For each cache format and the decode quer
 Targets (judged on the GPU): prefill >= 90 % of the copy; decode host time <= 15 us.
 ``--sweep`` also times other launch configurations and the integer FP8 encoder on the prefill
 batch. Writes ``OUT/serving.json`` and ``OUT/serving.md`` with ``--out OUT``.
+``--kernel-report`` needs no GPU: it compiles the kernels for sm_90a (Triton's bundled
+``ptxas``) and prints registers, spills and the instructions that matter (:func:`kernel_report`).
 """
 
 from __future__ import annotations
@@ -396,6 +398,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--cpu-reps", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the bytes")
+    parser.add_argument(
+        "--kernel-report", action="store_true",
+        help="compile the kernels for sm_90a (no GPU) and print what the compiler made",
+    )  # fmt: skip
 
 
 def _select(spec: str, choices, what: str) -> list[str]:
@@ -409,6 +415,9 @@ def _select(spec: str, choices, what: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kernel_report:
+        print(_report_table(kernel_report()))
+        return 0
     dims = Dims(heads=8, positions=4096) if args.cpu_smoke else Dims()
     cases = SMOKE_CASES if args.cpu_smoke else CASES
     try:
@@ -607,6 +616,113 @@ def run_sweep(
                 kernels.NATIVE_CASTS = True
         del inp
     return results
+
+
+# ============================================================================ compiled code
+REPORT_PATTERNS = {
+    "st.global": r"st\.global",
+    "st.global.v4": r"st\.global\S*\.v4",
+    "ld.global.v4": r"ld\.global\S*\.v4",
+    "cvt e4m3": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
+    "cvt bf16": r"cvt\.rn\.bf16(x2)?\.f32",
+    "div.rn": r"div\.rn\.f32",
+    "div approx": r"div\.(full|approx)\.f32",
+    "div/rem.64": r"(div|rem)\.[su]64",
+}
+
+
+def kernel_report() -> list[dict]:
+    """Compile the serving kernels for sm_90a at DeepSeek-V3 shapes, with the prefill batch's
+    launch configuration and the argument alignment a real launch specializes on (pointers and
+    strides multiples of 16), and read registers and spills (``ptxas -v``) and instruction
+    counts (the PTX): FP8 through the hardware conversion, per-tensor scales through IEEE
+    division, 16-byte vector stores of the copies. Needs Triton's bundled ptxas, not a GPU."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # Core import point (the sm_90a ptxas the core's kernel report uses).
+    from ..kernel_report import _ptxas
+    from ..kernels import serving as kernels
+
+    def compile_one(name, fn, pointers, constexprs, num_warps) -> dict:
+        signature = {
+            arg: "constexpr" if arg in constexprs else pointers.get(arg, "i32")
+            for arg in fn.arg_names
+        }
+        signature["scale_value"] = "fp32"
+        aligned = [i for i, a in enumerate(fn.arg_names) if a in pointers or a.startswith("stride")]
+        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+        )
+        ptx = compiled.asm["ptx"]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            log = subprocess.run(
+                [_ptxas(), "-v", "-arch=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+                capture_output=True, text=True, check=True,
+            ).stderr  # fmt: skip
+        spill = re.search(r"(\d+) bytes spill stores", log)
+        lines = ptx.splitlines()
+        row = {
+            "kernel": name, "warps": num_warps,
+            "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+            "spill bytes": int(spill.group(1)) if spill else 0,
+        }  # fmt: skip
+        for key, pattern in REPORT_PATTERNS.items():
+            row[key] = sum(1 for line in lines if re.search(pattern, line))
+        return row
+
+    tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "scale_ptr": "*fp32"}
+    ac = kernels.choose_append_config(16384, 512)
+    rows = []
+    for name, nope_mode, rope_mode, kvc, dst, fp8_656 in (
+        ("append concat bf16", 0, 5, "*i16", "*i16", False),
+        ("append concat fp8", 1, 1, "*bf16", "*u8", False),
+        ("append fp8_656", 2, 5, "*bf16", "*u8", True),
+    ):
+        pointers = dict(
+            tables, slot_ptr="*i64", kvc_ptr=kvc, kpe_ptr="*bf16", nope_ptr=dst,
+            rope_ptr="*i16" if fp8_656 else dst, tile_ptr="*i32",
+        )  # fmt: skip
+        constexprs = dict(
+            ROPE_OFFSET=264 if fp8_656 else 512, TILE_OFFSET=128 if fp8_656 else 0,
+            BLOCK_SHIFT=6, L=512, BLOCK_L=512, HALF=32, BLOCK_T=ac.block_t, NOPE_MODE=nope_mode,
+            ROPE_MODE=rope_mode, SCALE_MODE=2 if nope_mode == 1 else 0, INTERLEAVED_IN=True,
+            INTERLEAVED_OUT=True, NATIVE=True,
+        )  # fmt: skip
+        rows.append(compile_one(name, kernels._rope_append_kernel, pointers, constexprs,
+                                ac.num_warps))  # fmt: skip
+    qc = kernels.choose_query_config(16384, 128, 512)
+    for name, nope_mode, rope_mode, qn, out in (
+        ("query bf16", 0, 5, "*i16", "*i16"),
+        ("query fp8", 1, 1, "*bf16", "*u8"),
+    ):
+        pointers = dict(tables, qn_ptr=qn, qp_ptr="*bf16", out_ptr=out)
+        constexprs = dict(
+            L=512, HALF=32, BLOCK_T=qc.block_t, BLOCK_H=qc.block_h, BLOCK_C=qc.block_c,
+            NOPE_MODE=nope_mode, ROPE_MODE=rope_mode, SCALE_MODE=2 if nope_mode else 0,
+            INTERLEAVED_IN=True, INTERLEAVED_OUT=True, NATIVE=True,
+        )  # fmt: skip
+        rows.append(compile_one(name, kernels._rope_decode_query_kernel, pointers, constexprs,
+                                qc.num_warps))  # fmt: skip
+    return rows
+
+
+def _report_table(rows: list[dict]) -> str:
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines += ["| " + " | ".join(str(r[h]) for h in header) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def _fmt(x, spec: str, none: str = "-") -> str:
