@@ -18,9 +18,10 @@ download, random weights), bf16 on one GPU, batch 1, sequence 4096, sdpa attenti
 
 Prints a markdown table (and writes it to ``--out``). Exit status 1 when a check fails.
 
-    PYTHONPATH=src python benchmarks/transformers_layers.py [--families deepseek_v3,glm4_moe_lite,minicpm3]
-        [--seq 4096] [--iters 10] [--rounds 3] [--out FILE]
-    PYTHONPATH=src python benchmarks/transformers_layers.py --device cpu --tiny   # a smoke run on the CPU
+    PYTHONPATH=src python benchmarks/transformers_layers.py
+        [--families deepseek_v3,glm4_moe_lite,minicpm3] [--seq 4096] [--iters 10]
+        [--rounds 3] [--out FILE]
+    PYTHONPATH=src python benchmarks/transformers_layers.py --device cpu --tiny  # CPU smoke run
 """
 
 from __future__ import annotations
