@@ -107,7 +107,7 @@ for step in "${steps[@]}"; do
         -p no:cacheprovider -rfE tests/test_serving_*.py 2>&1 | tail -15
       [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
       # shellcheck disable=SC2086
-      timeout "${SERVING_SECONDS:-240}" python3 -m mlarope.serving.bench --out "$OUT" \
+      timeout "${SERVING_SECONDS:-240}" python3 -m mlarope.tools.bench.serving --out "$OUT" \
         ${SERVING_ARGS:-} 2>&1 | tail -100 ;;
     compile_debug)
       # Inductor's generated code for the torch.compile tests of the query op (how the CUDA-only

@@ -1,5 +1,5 @@
 """Shared pieces of the serving tests: tables, the fp64 truth of the rotation and the error
-model of each stored element (DESIGN.md's, ``mlarope.testing``'s, extended to FP8)."""
+model of each stored element (docs/design.md's, ``mlarope.tools.errmodel``'s, extended to FP8)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import mlarope
 from mlarope.reference import rotate_pairs
 from mlarope.serving import reference as ref
-from mlarope.testing import U32, ulp
+from mlarope.tools.errmodel import U32, ulp
 
 
 def tables(rope_dim: int, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +70,7 @@ def stored_tolerance(truth, arith, dtype, scale=None) -> torch.Tensor:
 
 def assert_within(got, truth, tol, what: str) -> None:
     """Element by element within ``tol``; NaN exactly where the truth is NaN."""
-    from mlarope.testing import assert_close_elementwise
+    from mlarope.tools.errmodel import assert_close_elementwise
 
     assert_close_elementwise(got.cpu().double(), truth, tol, what)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mlarope import serving
+from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
 from mlarope.kernels._launch import recording
 from mlarope.serving import _plans, formats
 from mlarope.serving import reference as ref
@@ -323,14 +324,14 @@ def test_query_validation(device):
 def test_append_plan_replays_the_pipeline(device, monkeypatch, fmt, cache_dtype, scale):
     """A repeated call takes its plan (no checks run) and writes what the pipeline writes, on
     new tensors of the same metadata; a Python-number scale is read on every call."""
-    _plans.clear()
+    clear_launch_cache()
     base = _append_args(device, fmt=fmt, cache_dtype=cache_dtype)
     if scale == "tensor":
         base["kv_scale"] = torch.tensor([0.05], device=device)
     _append(base)
     _append(base)
-    key = next(iter(_plans.plans))
-    assert _plans.plans[key][0][1].__class__ is _plans.Plan
+    key = next(iter(LAUNCH_CACHE.plans))
+    assert LAUNCH_CACHE.plans[key][0][1].__class__ is _plans.Plan
 
     gen = torch.Generator().manual_seed(7)
     fresh = _append_args(device, fmt=fmt, cache_dtype=cache_dtype)
@@ -359,7 +360,7 @@ def test_append_plan_replays_the_pipeline(device, monkeypatch, fmt, cache_dtype,
 
 
 def test_plan_falls_back_to_the_pipeline(device):
-    _plans.clear()
+    clear_launch_cache()
     base = _append_args(device, cache_dtype=torch.uint8)
     _append(base)
     _append(base)
@@ -372,11 +373,27 @@ def test_plan_falls_back_to_the_pipeline(device):
         _append(dict(base, cache=cache, kv_c=kv_c))
     # other metadata: a new entry, not a wrong replay
     _append(dict(base, kv_c=base["kv_c"].float(), k_pe=base["k_pe"].float()))
-    assert sum(len(entries) for entries in _plans.plans.values()) == 2
+    assert sum(len(entries) for entries in LAUNCH_CACHE.plans.values()) == 2
+
+
+def test_plans_live_in_the_one_launch_cache(device):
+    """The serving plans are entries of the core's launch cache, apart from the core's keys,
+    and ``clear_launch_cache()`` forgets them (they were kept in a table of their own, which
+    the core's reset left alone)."""
+    clear_launch_cache()
+    base = _append_args(device, cache_dtype=torch.uint8)
+    _append(base)
+    _append(base)
+    args = _query_args(device)
+    _query(args)
+    keys = list(LAUNCH_CACHE.plans)
+    assert sorted(k[0] for k in keys) == ["serving.append", "serving.query"]
+    clear_launch_cache()
+    assert not LAUNCH_CACHE.plans
 
 
 def test_query_plan(device, monkeypatch):
-    _plans.clear()
+    clear_launch_cache()
     args = _query_args(device)
     first = _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.02)
     _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.02)
@@ -546,7 +563,7 @@ def test_one_cuda_kernel_per_call():
 def test_demo_serving(device, capsys):
     """``python -m mlarope demo --serving`` on this lane's backend: decode steps through the
     FP8 cache, checked against the reference."""
-    from mlarope import demo
+    from mlarope.tools import demo
 
     assert demo.main(["--serving", "--device", device.type, "--steps", "2"]) == 0
     out = capsys.readouterr().out

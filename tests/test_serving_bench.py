@@ -12,7 +12,7 @@ import torch
 # kernel's import whether it runs interpreted.
 import mlarope.kernels.q
 import mlarope.kernels.serving  # noqa: F401
-from mlarope.serving import bench
+from mlarope.tools.bench import serving as bench
 
 
 def test_bytes_model_deepseek_v3():
@@ -81,9 +81,10 @@ def test_dry_run_and_bad_options(capsys):
 def test_gpu_decode_host_path_is_the_plan():
     """On the GPU a repeated decode call takes its plan: the launch goes straight to the
     compiled kernel (no Triton binder), which is what the host-time target needs."""
+    from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
     from mlarope.serving import _plans
 
-    _plans.clear()
+    clear_launch_cache()
     dims = bench.Dims()
     gen = torch.Generator().manual_seed(0)
     cos, sin = __import__("mlarope").YarnConfig.deepseek_v3().cos_sin(dims.positions, device="cuda")
@@ -92,6 +93,6 @@ def test_gpu_decode_host_path_is_the_plan():
     call = bench.ours(op, inp, cos, sin)
     call()
     call()
-    (entries,) = _plans.plans.values()
+    (entries,) = LAUNCH_CACHE.plans.values()
     plan = entries[0][1]
     assert plan.__class__ is _plans.Plan and plan.launch.kernel is not None

@@ -1,5 +1,6 @@
-"""What the compiler makes of the serving kernels for sm_90a (no GPU: Triton's bundled ptxas):
-the code the GPU lane runs, checked on every lane.
+"""What the compiler makes of the serving kernels for sm_90a
+(``benchmarks/serving_kernel_report.py``; no GPU: Triton's bundled ptxas): the code the GPU lane
+runs, checked on every lane.
 
 FP8 goes through the hardware's saturating conversion and per-tensor scales through IEEE
 division (never Triton's approximate ``/``); bf16 through the hardware's rounding; no register
@@ -12,8 +13,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_kernel_report.py"
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +25,7 @@ def report() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     result = subprocess.run(
-        [sys.executable, "-m", "mlarope.serving.bench", "--kernel-report"], capture_output=True,
-        text=True, env=env, timeout=600,
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     if result.returncode != 0 and "ptxas is not at" in result.stderr:
         pytest.skip("Triton's bundled ptxas is not available on this platform")

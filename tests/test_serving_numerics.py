@@ -142,9 +142,11 @@ def test_kernel_encoders_bitwise(device, native):
     assert torch.equal(bf16, x.to(torch.bfloat16).view(torch.int16))
     want = ref.pow2_tile_scales(x.abs().reshape(-1, 1, 1).expand(-1, 1, 128))[:, 0]
     assert torch.equal(scales, want)
-    nan_codes, nan_bf16, _ = run(torch.tensor([float("nan")]))
-    assert nan_codes.item() & 0x7F == 0x7F
-    assert torch.isnan(nan_bf16.view(torch.bfloat16)).all()
+    # NaNs whose payload is in the low 16 bits alone (their top 16 bits are an infinity's)
+    nans = torch.tensor([0x7FC00000, 0x7F800001, -0x7FFFFF, 0x7F808000], dtype=torch.int32)
+    nan_codes, nan_bf16, _ = run(nans.view(torch.float32))
+    assert (nan_codes & 0x7F == 0x7F).all()
+    assert torch.isnan(nan_bf16.view(torch.bfloat16)).all(), nan_bf16
 
 
 @pytest.mark.parametrize("native", PATHS)

@@ -35,7 +35,7 @@ import torch
 
 from mlarope import serving
 from mlarope.serving import reference as ref
-from mlarope.testing import ulp
+from mlarope.tools.errmodel import ulp
 from tests.serving_support import exact_tile_scales, rope_arith, rope_truth, stored_model, tables
 
 HEADS, V_DIM, ROPE = 4, 16, 64

@@ -27,14 +27,13 @@ Compiled kernels use the hardware's conversions for the first two (``native_cast
 Triton's interpreter, whose own fp32 -> bf16 cast truncates and whose fp32 -> fp8 cast loses
 the carry into the exponent (docs/serving.md), integer operations do them.
 
-Core pieces used here (one import block below): the table rows and the rotation of
-``kernels/_lookup.py``, the launcher of ``kernels/_launch.py`` and the head-major grid of
-``kernels/_tiles.py``.
+Core pieces used here (one import block below): the table rows, the rotation and the 16-bit
+rounding of ``kernels/rotation.py``, the launcher of ``kernels/_launch.py`` and the head-major
+grid of ``kernels/_tiles.py``.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +42,9 @@ import triton.language as tl
 
 # Core import point (the rotation, its table rows, the launcher and the grid).
 from ._launch import DirectLauncher
-from ._lookup import load_table_halves, next_power_of_2, rotate
-from ._tiles import program_tile, tile_grid
+from ._tiles import next_power_of_2, program_tile, tile_grid
 from ._triton_compat import INTERPRETED
+from .rotation import load_table_halves, rotate, round_to_16bit
 
 # How a part of an entry is stored (constexpr NOPE_MODE / ROPE_MODE).
 COPY = tl.constexpr(0)  # nope: the input's bits, copied
@@ -100,12 +99,12 @@ def bf16_bits(x, NATIVE: tl.constexpr):
     ``NATIVE``: the hardware conversion, else integer operations (the interpreter truncates)."""
     if NATIVE:
         return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
-    bits = x.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    sign = (bits >> 16) & 0x8000
-    rounded = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
-    rounded = tl.where(mag > 0x7F800000, 0x7FC0, rounded) | sign
-    return rounded.to(tl.int16)
+    # The core's rounding gives the bf16 value as fp32 (its low 16 bits zero) and passes a NaN
+    # through with its payload, whose top 16 bits alone could read as infinity: a quiet NaN
+    # with x's sign instead.
+    rounded = round_to_16bit(x, tl.bfloat16).to(tl.int32, bitcast=True) >> 16
+    sign = (x.to(tl.int32, bitcast=True) >> 16) & 0x8000
+    return tl.where(x != x, 0x7FC0 | sign, rounded).to(tl.int16)
 
 
 @triton.jit
@@ -383,7 +382,6 @@ class QueryConfig:
 _APPEND_TILE_ELEMENTS = 2048
 
 
-@functools.lru_cache(maxsize=1024)
 def choose_append_config(n_tokens: int, latent: int) -> AppendConfig:
     """Heuristic configuration of the append kernel (no autotuning)."""
     block_l = next_power_of_2(latent)
@@ -392,7 +390,6 @@ def choose_append_config(n_tokens: int, latent: int) -> AppendConfig:
     return AppendConfig(block_t, num_warps)
 
 
-@functools.lru_cache(maxsize=1024)
 def choose_query_config(n_tokens: int, n_heads: int, latent: int) -> QueryConfig:
     """Heuristic configuration of the decode-query kernel (no autotuning): the key/value
     forward's copy tile (``kernels/kv.py``), 16 heads x 128 channels a step, one warp per 1,024

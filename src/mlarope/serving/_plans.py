@@ -21,8 +21,13 @@ recorded argument list and launch, without checks, views or Triton's binder.
   made again only where Triton's own launch path runs (the interpreter, launch hooks).
 
 Nothing is planned under ``torch.compile``, with validation on (argument or
-``MLAROPE_VALIDATE``) or forward-mode AD; those calls take the pipeline. This module is the
-serving side of ``mlarope._plans`` and is meant to move onto the core's plan cache.
+``MLAROPE_VALIDATE``) or forward-mode AD; those calls take the pipeline.
+
+The entries live in the core's one launch cache (``mlarope._launch_cache.LAUNCH_CACHE.plans``,
+keys starting ``"serving.append"`` / ``"serving.query"``, apart from the core's ``"q"`` /
+``"kv"``), so ``clear_launch_cache()`` forgets them too and the table's bound covers both. The
+replay stays here: unlike the core's plans it passes a Python-number scale, allocates an
+output of another dtype than the input's, and checks written tensors against read ones.
 """
 
 from __future__ import annotations
@@ -30,22 +35,14 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad as _fwad
 
-# Core import point (the plan cache's guard and device key, the launch recorder).
+# Core import point (the plan cache's guard and device key, the one launch cache).
 from .._checks import env_validation
-from .._plans import _device_key, _guard
+from .._launch_cache import LAUNCH_CACHE
+from .._plans import _MAX_PER_KEY, _device_key, _guard
 
 MISSING = object()  # no recorded call matches (a recorded call without a plan gives None)
-_MAX_KEYS = 1024
-_MAX_PER_KEY = 8
 _FP32_MIN_NORMAL = 2.0**-126
 _FP32_MAX = 3.4028234663852886e38
-
-plans: dict[tuple, list] = {}
-
-
-def clear() -> None:
-    """Forget every plan (tests; the core's reset when this moves there)."""
-    plans.clear()
 
 
 class Plan:
@@ -182,8 +179,8 @@ def append_signature(
     if addresses is None:
         return None
     key = (
-        "append", cache_format, interleaved, interleaved_out, kind, len(tensors), kv_c.shape,
-        _alignment(addresses), _device_key(kv_c), torch.is_grad_enabled(),
+        "serving.append", cache_format, interleaved, interleaved_out, kind, len(tensors),
+        kv_c.shape, _alignment(addresses), _device_key(kv_c), torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
     )  # fmt: skip
     return key, tensors, value, addresses
@@ -208,7 +205,7 @@ def query_signature(
     if addresses is None:
         return None
     key = (
-        "query", interleaved, interleaved_out, kind, out is None, out_dtype, len(tensors),
+        "serving.query", interleaved, interleaved_out, kind, out is None, out_dtype, len(tensors),
         q_nope.shape, _alignment(addresses), _device_key(q_nope), torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
     )  # fmt: skip
@@ -221,7 +218,7 @@ def find(signature):
     if signature is None:
         return None
     key, tensors = signature[0], signature[1]
-    for guard, plan in plans.get(key, ()):
+    for guard, plan in LAUNCH_CACHE.plans.get(key, ()):
         if guard(*tensors):
             return plan
     return MISSING
@@ -231,9 +228,7 @@ def record(signature, launches: list, written: tuple[int, ...], out=None) -> Non
     """Store the plan of a call from its pipeline's launches (``written``: the indices of the
     tensors it writes; ``out``: the tensor it returned, for an out-of-place call)."""
     key, tensors, value = signature[0], signature[1], signature[2]
-    if len(plans) >= _MAX_KEYS:
-        plans.clear()
-    entries = plans.setdefault(key, [])
+    entries = LAUNCH_CACHE.plan_entries(key)
     if len(entries) >= _MAX_PER_KEY:
         del entries[0]
     entries.append((_guard(tensors), _plan_from(tensors, value, launches, written, out)))

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--serving", action="store_true",
         help="decode steps through a paged FP8 MLA cache (mlarope.serving) instead",
     )  # fmt: skip
-    from .serving.demo import add_arguments as serving_arguments
+    from .serving_demo import add_arguments as serving_arguments
 
     serving_arguments(parser)
 
@@ -82,7 +82,7 @@ def _time(fn, device, repeats=20) -> float:
 
 def run(args: argparse.Namespace) -> int:
     if args.serving:
-        from .serving.demo import run as run_serving
+        from .serving_demo import run as run_serving
 
         return run_serving(args)
     console = Console()
