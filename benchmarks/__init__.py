@@ -8,6 +8,7 @@ Each file is a script, run from the repository root with the package importable 
 - ``sweep.py``: the kernels' launch configurations on the GPU, beside the access patterns' own
   ceilings (how the launch heuristics were chosen; docs/perf_log.md);
 - ``kernel_report.py``: what the compiler makes of the kernels for sm_90a, without a GPU;
+- ``serving_kernel_report.py``: the same for the serving kernels (``mlarope.serving``);
 - ``host_profile.py``: where the host time of one eager decode call goes;
 - ``host_variance.py``: how the benchmark's decode host times spread, and why;
 - ``q_inplace_layouts.py``: the in-place query kernel by pair layout, direction and tile.

@@ -63,12 +63,18 @@ def _ptxas() -> str:
     return path
 
 
-def compile_report(fn, pointer_types: dict, constexprs: dict, num_warps: int, name: str):
-    """Compile ``fn`` for sm_90a with the given pointer dtypes and constexprs -> KernelReport."""
+def compile_report(
+    fn, pointer_types: dict, constexprs: dict, num_warps: int, name: str, *,
+    scalar_types: dict | None = None, patterns: dict = PATTERNS,
+):  # fmt: skip
+    """Compile ``fn`` for sm_90a with the given pointer dtypes and constexprs -> KernelReport
+    (``scalar_types``: non-i32 scalar arguments, not marked aligned; ``patterns``: the PTX
+    lines counted, by name)."""
     signature = {
         arg: "constexpr" if arg in constexprs else pointer_types.get(arg, "i32")
         for arg in fn.arg_names
     }
+    signature.update(scalar_types or {})
     aligned = [
         i
         for i, arg in enumerate(fn.arg_names)
@@ -93,7 +99,7 @@ def compile_report(fn, pointer_types: dict, constexprs: dict, num_warps: int, na
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     spill = re.search(r"(\d+) bytes spill stores", log)
     lines = ptx.splitlines()
-    counts = {k: sum(1 for line in lines if re.search(p, line)) for k, p in PATTERNS.items()}
+    counts = {k: sum(1 for line in lines if re.search(p, line)) for k, p in patterns.items()}
     return KernelReport(
         name, num_warps, registers, int(spill.group(1)) if spill else 0,
         kernel.metadata.shared, counts,

@@ -4,7 +4,7 @@
 #
 #   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
 #                                    [sweep] [sweep_base] [host] [decode] [megatron_tests]
-#                                    [transformers_layers]
+#                                    [transformers_layers] [serving]
 #   (default: the first six, in that order; sweep = benchmarks/sweep.py, the launch-config
 #   sweep; sweep_base = its heuristic rows for a package copy in .ab/base, an A/B baseline:
 #   copy another commit's src/mlarope there and carry .ab (the current benchmarks/sweep.py runs
@@ -14,7 +14,8 @@
 #   Megatron, scripts/megatron_tests.py, with a Megatron-LM checkout in $MEGATRON_LM or
 #   .megatron-lm; transformers_layers = one real-size attention layer of DeepSeek-V3,
 #   GLM-4.7-Flash and MiniCPM3 through transformers, unpatched and patched,
-#   benchmarks/transformers_layers.py)
+#   benchmarks/transformers_layers.py; serving = mlarope.serving's GPU tests, then its
+#   benchmark, writing serving.json and serving.md)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -97,6 +98,17 @@ for step in "${steps[@]}"; do
       # checked against the fp32 layer; one file, transformers_layers.md (docs/transformers.md).
       timeout "${LAYERS_SECONDS:-300}" python3 benchmarks/transformers_layers.py \
         --out "$OUT/transformers_layers.md" 2>&1 | tail -12 ;;
+    serving)
+      # mlarope.serving (docs/serving.md): its tests on the GPU (summary only), then the
+      # benchmark: prefill and decode per cache format, the unfused sequence, FlashInfer when it
+      # imports (docs/benchmarks.md, "Serving"). SERVING_ARGS: more arguments, e.g. "--sweep"
+      # (other launch configurations and the integer FP8 encoder; about a minute of compiles).
+      timeout "${SERVING_TESTS_SECONDS:-150}" python3 -m pytest -q -n 8 --device cuda \
+        -p no:cacheprovider -rfE tests/test_serving_*.py 2>&1 | tail -15
+      [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      # shellcheck disable=SC2086
+      timeout "${SERVING_SECONDS:-240}" python3 -m mlarope.tools.bench.serving --out "$OUT" \
+        ${SERVING_ARGS:-} 2>&1 | tail -100 ;;
     compile_debug)
       # Inductor's generated code for the torch.compile tests of the query op (how the CUDA-only
       # compiled-gradient bug was found and its fix checked; docs/gpu_lane.md).

@@ -124,8 +124,10 @@ def test_stress_without_gpu_or_interpreter_exits_2():
         ["-m", "mlarope.tools.demo"],
         ["-m", "mlarope.tools.stress"],
         ["-m", "mlarope.tools.bench"],
+        ["-m", "mlarope.tools.bench.serving"],
         [str(BENCHMARKS / "sweep.py")],
         [str(BENCHMARKS / "kernel_report.py")],
+        [str(BENCHMARKS / "serving_kernel_report.py")],
     ],
     ids=lambda entry: entry[-1].replace(str(BENCHMARKS), "benchmarks"),
 )

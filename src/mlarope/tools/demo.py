@@ -35,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 1024,3072,2048,2048 on GPU, 5,16,11 on CPU)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--serving", action="store_true",
+        help="decode steps through a paged FP8 MLA cache (mlarope.serving) instead",
+    )  # fmt: skip
+    from .serving_demo import add_arguments as serving_arguments
+
+    serving_arguments(parser)
 
 
 def _mla_step(api, q0, kv0, k_pe0, cos, sin, cu, k_dim, scale, inplace):
@@ -74,6 +81,10 @@ def _time(fn, device, repeats=20) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.serving:
+        from .serving_demo import run as run_serving
+
+        return run_serving(args)
     console = Console()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"

@@ -1,0 +1,101 @@
+"""Compile the serving kernels for an H100/H200 (sm_90a) without a GPU and report what the
+compiler made.
+
+``python benchmarks/serving_kernel_report.py`` prints, per serving kernel at DeepSeek-V3 shapes
+with the prefill batch's launch configuration: registers and spill bytes (``ptxas -v``) and
+the instructions that matter (hardware FP8 and bf16 conversions, IEEE vs approximate
+division, 16-byte vector copies, 64-bit divisions). ``tests/test_serving_compiled.py`` runs it
+on every lane. It compiles as ``kernel_report.py`` does: Triton's bundled ``ptxas``, no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kernel_report import compile_report  # benchmarks/kernel_report.py (this script's folder)
+from mlarope.kernels import serving as kernels
+
+REPORT_PATTERNS = {
+    "st.global": r"st\.global",
+    "st.global.v4": r"st\.global\S*\.v4",
+    "ld.global.v4": r"ld\.global\S*\.v4",
+    "cvt e4m3": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
+    "cvt bf16": r"cvt\.rn\.bf16(x2)?\.f32",
+    "div.rn": r"div\.rn\.f32",
+    "div approx": r"div\.(full|approx)\.f32",
+    "div/rem.64": r"(div|rem)\.[su]64",
+}
+
+
+def kernel_report() -> list[dict]:
+    """Compile the serving kernels for sm_90a at DeepSeek-V3 shapes, with the prefill batch's
+    launch configuration and the argument alignment a real launch specializes on (pointers and
+    strides multiples of 16), and read registers and spills (``ptxas -v``) and instruction
+    counts (the PTX): FP8 through the hardware conversion, per-tensor scales through IEEE
+    division, 16-byte vector stores of the copies. Needs Triton's bundled ptxas, not a GPU."""
+
+    def compile_one(name, fn, pointers, constexprs, num_warps) -> dict:
+        r = compile_report(
+            fn, pointers, constexprs, num_warps, name, scalar_types={"scale_value": "fp32"},
+            patterns=REPORT_PATTERNS,
+        )  # fmt: skip
+        row = {"kernel": name, "warps": num_warps, "registers": r.registers}
+        return {**row, "spill bytes": r.spill_bytes, **r.counts}
+
+    tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "scale_ptr": "*fp32"}
+    ac = kernels.choose_append_config(16384, 512)
+    rows = []
+    for name, nope_mode, rope_mode, kvc, dst, fp8_656 in (
+        ("append concat bf16", 0, 5, "*i16", "*i16", False),
+        ("append concat fp8", 1, 1, "*bf16", "*u8", False),
+        ("append fp8_656", 2, 5, "*bf16", "*u8", True),
+    ):
+        pointers = dict(
+            tables, slot_ptr="*i64", kvc_ptr=kvc, kpe_ptr="*bf16", nope_ptr=dst,
+            rope_ptr="*i16" if fp8_656 else dst, tile_ptr="*i32",
+        )  # fmt: skip
+        constexprs = dict(
+            ROPE_OFFSET=264 if fp8_656 else 512, TILE_OFFSET=128 if fp8_656 else 0,
+            BLOCK_SHIFT=6, L=512, BLOCK_L=512, HALF=32, BLOCK_T=ac.block_t, NOPE_MODE=nope_mode,
+            ROPE_MODE=rope_mode, SCALE_MODE=2 if nope_mode == 1 else 0, INTERLEAVED_IN=True,
+            INTERLEAVED_OUT=True, NATIVE=True,
+        )  # fmt: skip
+        rows.append(compile_one(name, kernels._rope_append_kernel, pointers, constexprs,
+                                ac.num_warps))  # fmt: skip
+    qc = kernels.choose_query_config(16384, 128, 512)
+    for name, nope_mode, rope_mode, qn, out in (
+        ("query bf16", 0, 5, "*i16", "*i16"),
+        ("query fp8", 1, 1, "*bf16", "*u8"),
+    ):
+        pointers = dict(tables, qn_ptr=qn, qp_ptr="*bf16", out_ptr=out)
+        constexprs = dict(
+            L=512, HALF=32, BLOCK_T=qc.block_t, BLOCK_H=qc.block_h, BLOCK_C=qc.block_c,
+            NOPE_MODE=nope_mode, ROPE_MODE=rope_mode, SCALE_MODE=2 if nope_mode else 0,
+            INTERLEAVED_IN=True, INTERLEAVED_OUT=True, NATIVE=True,
+        )  # fmt: skip
+        rows.append(compile_one(name, kernels._rope_decode_query_kernel, pointers, constexprs,
+                                qc.num_warps))  # fmt: skip
+    return rows
+
+
+def _report_table(rows: list[dict]) -> str:
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines += ["| " + " | ".join(str(r[h]) for h in header) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/serving_kernel_report.py``: print the report as a Markdown table."""
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/serving_kernel_report.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.parse_args(argv)
+    print(_report_table(kernel_report()))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

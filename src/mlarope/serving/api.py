@@ -1,0 +1,168 @@
+"""The public serving calls: plan or checks -> (validation) -> custom op or implementation."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# Core import point (validation switch, shared with the core ops).
+from .._checks import validation_requested
+from . import _plans, formats, ops
+
+
+def rope_append_kv_cache(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    *,
+    cache_format: str,
+    kv_scale: float | torch.Tensor | None = None,
+    interleaved: bool = True,
+    interleaved_out: bool = True,
+    validate: bool = False,
+) -> None:
+    """Rotate ``k_pe`` and write each token's MLA cache entry into its slot, in one launch.
+
+    Token ``t`` goes to slot ``s = slot_mapping[t]``: entry ``s % block_size`` of block
+    ``s // block_size``. A slot of -1 marks a padding token (nothing is read or written for
+    it); a slot outside the cache is never written (``validate=True`` raises).
+
+    Args:
+        kv_c: ``[T, L]`` latent (``L = 512`` for DeepSeek-V3), bf16, fp16 or fp32; last dim
+            contiguous.
+        k_pe: ``[T, R]`` or ``[T, 1, R]`` positional key, ``kv_c``'s dtype and device.
+        cos, sin: ``[P, R]`` tables (``YarnConfig.cos_sin``), fp32 preferred.
+        positions: ``[T]`` int32/int64, each token's position. A position outside ``[0, P)``
+            writes NaN rope values (FP8: the NaN code ``0x7F``).
+        cache: ``cache_format="concat"``: ``[num_blocks, block_size, L + R]`` of ``kv_c``'s
+            dtype or FP8 e4m3 (``float8_e4m3fn``, or ``uint8`` codes); ``"split"``: a pair
+            ``(ckv [num_pages, page_size, L], kpe [num_pages, page_size, R])`` as above;
+            ``"fp8_656"``: FlashMLA's records, ``[num_blocks, block_size, 656]`` or
+            ``[num_blocks, block_size, 1, 656]`` bytes (``L = 512``, ``R = 64``).
+        slot_mapping: ``[T]`` int32/int64 slots.
+        cache_format: ``"concat"``, ``"split"`` or ``"fp8_656"`` (docs/serving.md).
+        kv_scale: the per-tensor DEQUANT scale of an FP8 ``concat`` / ``split`` cache
+            (``stored = e4m3(x / kv_scale)``, ``x = stored * kv_scale``; FlashInfer's
+            ``quant_scale_kv`` is its reciprocal): a float, or a 1-element fp32 tensor on the
+            device (read by the kernel, so a CUDA graph can change it). None otherwise.
+        interleaved: ``k_pe``'s pairs are ``(x[2j], x[2j+1])`` (True, DeepSeek checkpoints) or
+            ``(x[j], x[R/2 + j])``.
+        interleaved_out: write the rotated pairs interleaved (True, default: the bytes vLLM and
+            FlashMLA caches hold for DeepSeek models) or half-split. The query must use the
+            same layout (:func:`rope_decode_query`).
+        validate: check device data (slots in the cache and distinct, positions in the table,
+            a tensor scale), raising ``ValueError``; costs a sync. Also ``MLAROPE_VALIDATE=1``.
+
+    fp32 math with the exact tables, one rounding or quantization per stored element; FP8
+    saturates to +-448. ``fp8_656`` computes each token's four tile scales (FlashMLA's
+    power-of-two rule) and stores the rope part in bf16. Not differentiable.
+    """
+    signature = _plans.append_signature(
+        kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale,
+        interleaved, interleaved_out, validate,
+    )  # fmt: skip
+    plan = _plans.find(signature)
+    if plan.__class__ is _plans.Plan:  # a repeated eager call
+        if plan(signature[1], signature[2], signature[3]) is not _plans.MISSING:
+            return
+        plan = None
+    call = formats.check_append_call(
+        kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale,
+        interleaved, interleaved_out,
+    )  # fmt: skip
+    if validation_requested(validate):
+        formats.validate_append_on_device(call)
+    if torch.compiler.is_compiling():
+        ops.rope_append_kv_cache_op(*call.op_args())
+        return
+    with _recording(signature if plan is _plans.MISSING else None, call.kv_c) as launches:
+        ops.rope_append_kv_cache_impl(*call.op_args())
+    if launches is not None:
+        written = (6,) if call.kpe_cache is None else (6, 7)
+        _plans.record(signature, launches, written)
+
+
+def rope_decode_query(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    q_scale: float | torch.Tensor | None = None,
+    interleaved: bool = True,
+    interleaved_out: bool = True,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Build the absorbed MLA decode query ``[q_nope | rotate(q_pe)]`` in one launch.
+
+    Args:
+        q_nope: ``[T, H, L]``, the nope query already absorbed (``q_nope @ W_UK``), bf16, fp16
+            or fp32; last dim contiguous, any token and head strides.
+        q_pe: ``[T, H, R]``, ``q_nope``'s dtype and device.
+        cos, sin: ``[P, R]`` tables, fp32 preferred.
+        positions: ``[T]`` int32/int64. A position outside ``[0, P)`` writes NaN rope values.
+        out: a ``[T, H, L + R]`` buffer to write (last dim contiguous), or None for a new
+            contiguous tensor. Given, the call allocates nothing (CUDA graphs).
+        out_dtype: ``q_nope``'s dtype (default) or ``torch.float8_e4m3fn``; taken from ``out``
+            when given.
+        q_scale: the per-tensor DEQUANT scale of an FP8 output (``stored = e4m3(x /
+            q_scale)``); a float or a 1-element fp32 tensor on the device; None otherwise.
+        interleaved, interleaved_out: the rope pair layouts, as in
+            :func:`rope_append_kv_cache` (default interleaved in and out: match the cache).
+        validate: check positions and a tensor scale on the device (a sync).
+
+    Returns:
+        ``[T, H, L + R]``: ``out`` itself when given. fp32 math, one rounding or quantization
+        per element. Not differentiable.
+    """
+    signature = _plans.query_signature(
+        q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved,
+        interleaved_out, validate,
+    )  # fmt: skip
+    plan = _plans.find(signature)
+    if plan.__class__ is _plans.Plan:  # a repeated eager call
+        result = plan(signature[1], signature[2], signature[3])
+        if result is not _plans.MISSING:
+            return out if out is not None else result
+        plan = None
+    call = formats.check_query_call(
+        q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved,
+        interleaved_out,
+    )  # fmt: skip
+    if validation_requested(validate):
+        formats.validate_query_on_device(call)
+    inputs = (call.q_nope, call.q_pe, call.cos, call.sin, call.positions)
+    if torch.compiler.is_compiling():
+        if call.out is None:
+            return ops.rope_decode_query_op(*inputs, call.fp8, *call.op_args())
+        ops.rope_decode_query_out_op(*inputs, call.out, *call.op_args())
+        return call.out
+    with _recording(signature if plan is _plans.MISSING else None, call.q_nope) as launches:
+        if call.out is None:
+            result = ops.rope_decode_query_impl(*inputs, call.fp8, *call.op_args())
+        else:
+            ops.rope_decode_query_out_impl(*inputs, call.out, *call.op_args())
+            result = call.out
+    if launches is not None:
+        if call.out is None:
+            _plans.record(signature, launches, (), out=result)
+        else:
+            _plans.record(signature, launches, (len(signature[1]) - 1,))
+    return result
+
+
+def _recording(signature, first: torch.Tensor):
+    """Note the call's launches when it is to get a plan and runs a kernel."""
+    if signature is None or not ops.use_triton(first):
+        return contextlib.nullcontext()
+    from ..kernels._launch import recording
+
+    return recording()

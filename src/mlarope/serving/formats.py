@@ -1,0 +1,493 @@
+"""The cache formats of :mod:`mlarope.serving` and every host-side check of its two ops.
+
+Formats (``cache_format``; docs/serving.md has the byte maps and the owners' sources):
+
+- ``"concat"`` (vLLM's MLA cache): ``cache [num_blocks, block_size, L + R]``, each entry
+  ``[kv_c | rotated k_pe]``; the dtype of ``kv_c`` (bf16, fp16, fp32: copied and rounded), or
+  FP8 e4m3 (``torch.float8_e4m3fn``, or ``torch.uint8`` holding e4m3 codes as vLLM allocates
+  it) with a per-tensor dequant ``kv_scale`` for both parts.
+- ``"split"`` (FlashInfer's paged MLA cache): ``(ckv [num_pages, page_size, L],
+  kpe [num_pages, page_size, R])``, both of one dtype, as above.
+- ``"fp8_656"`` (FlashMLA's FP8 record, vLLM's ``fp8_ds_mla``): ``[num_blocks, block_size,
+  656]`` or ``[num_blocks, block_size, 1, 656]`` bytes (``uint8``, ``int8`` or
+  ``float8_e4m3fn``); ``L = 512``, ``R = 64``; entries 656 bytes apart; 16-byte aligned.
+
+The checks read no device data (no sync). What needs device data (slots in the cache and
+distinct, positions in the table, a tensor scale's value) is checked by ``validate_*`` when
+validation is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Core import point (the library's checks and error messages).
+from .._checks import (
+    check_bool,
+    check_inplace_target,
+    check_last_dim_contiguous,
+    check_tables,
+    check_tables_constant,
+    check_tensor,
+)
+from .reference import FP8_656_BYTES, FP8_656_LATENT, FP8_656_ROPE
+
+CACHE_FORMATS = ("concat", "split", "fp8_656")
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # uint8: e4m3 codes (vLLM's FP8 cache tensor)
+RECORD_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
+INDEX_DTYPES = (torch.int32, torch.int64)
+FP32_MIN_NORMAL = 2.0**-126
+FP32_MAX = 3.4028234663852886e38
+
+
+@dataclass(frozen=True)
+class AppendCall:
+    """A checked ``rope_append_kv_cache`` call, as the custom op and the backends take it
+    (``op_args()``, in this order)."""
+
+    kv_c: torch.Tensor  # [T, L]
+    k_pe: torch.Tensor  # [T, R]
+    cos: torch.Tensor  # [P, R]
+    sin: torch.Tensor  # [P, R]
+    positions: torch.Tensor  # [T]
+    cache: torch.Tensor  # concat / fp8_656: the cache as given; split: ckv
+    kpe_cache: torch.Tensor | None  # split: kpe
+    slot_mapping: torch.Tensor  # [T]
+    scale: torch.Tensor | None  # a 1-element fp32 dequant scale, read by the kernel
+    scale_value: float  # the dequant scale given as a number (1.0 when unused)
+    cache_format: str
+    interleaved: bool
+    interleaved_out: bool
+
+    def op_args(self) -> tuple:
+        return tuple(getattr(self, f) for f in _APPEND_FIELDS)
+
+
+_APPEND_FIELDS = tuple(AppendCall.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class QueryCall:
+    """A checked ``rope_decode_query`` call (``op_args()`` for the custom ops, ``out`` apart)."""
+
+    q_nope: torch.Tensor  # [T, H, L]
+    q_pe: torch.Tensor  # [T, H, R]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor  # [T]
+    out: torch.Tensor | None  # [T, H, L + R]
+    fp8: bool  # the output is FP8 e4m3 (else the inputs' dtype)
+    scale: torch.Tensor | None
+    scale_value: float
+    interleaved: bool
+    interleaved_out: bool
+
+    def op_args(self) -> tuple:
+        """The arguments after ``q_nope, q_pe, cos, sin, positions`` (and ``out``)."""
+        return (self.scale, self.scale_value, self.interleaved, self.interleaved_out)
+
+
+# ------------------------------------------------------------------------------------- helpers
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _check_input(name: str, t: object, dims: int, shape: str) -> torch.Tensor:
+    t = check_tensor(name, t)
+    if t.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got dtype {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {shape}, got shape {tuple(t.shape)}")
+    check_last_dim_contiguous(name, t)
+    return t
+
+
+def _check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} and {ref_name} must share a dtype, got {t.dtype} and {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {t.device}")
+
+
+def _check_index(name: str, t: object, n_tokens: int, device: torch.device) -> torch.Tensor:
+    t = check_tensor(name, t)
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got dtype {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != n_tokens:
+        raise ValueError(
+            f"{name} must be 1-D [T] with T = {n_tokens} tokens, got shape {tuple(t.shape)}"
+        )
+    if t.device != device:
+        raise ValueError(f"{name} must be on the inputs' device {device}, got {t.device}")
+    return t
+
+
+def _check_not_differentiated(*named: tuple[str, torch.Tensor]) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for name, t in named:
+        if t.requires_grad:
+            raise ValueError(
+                f"{name} requires grad; the serving ops are not differentiable (they write a "
+                f"cache or a decode query): call them under torch.no_grad() or "
+                f"torch.inference_mode(), or pass {name}.detach()"
+            )
+
+
+def _check_scale(
+    name: str, scale: object, wanted: bool, why_not: str, device: torch.device
+) -> tuple[torch.Tensor | None, float]:
+    """A per-tensor dequant scale -> ``(tensor or None, value)``: a number (finite, a normal
+    positive fp32) or a 1-element fp32 tensor on ``device``; ``None`` where not ``wanted``."""
+    if not wanted:
+        if scale is not None:
+            raise ValueError(f"{name} must be None {why_not}, got {_scale_repr(scale)}")
+        return None, 1.0
+    if scale is None:
+        raise ValueError(
+            f"{name} is required {why_not}: the dequant scale (stored = e4m3(x / {name}), "
+            f"value = stored * {name}); pass 1.0 for none"
+        )
+    if isinstance(scale, torch.Tensor):
+        if scale.dtype != torch.float32 or scale.numel() != 1:
+            raise TypeError(
+                f"{name} as a tensor must be a 1-element float32 tensor, got {_describe(scale)}"
+            )
+        if scale.device != device:
+            raise ValueError(f"{name} must be on the inputs' device {device}, got {scale.device}")
+        return scale.reshape(1) if scale.dim() != 1 else scale, 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(
+            f"{name} must be a float or a 1-element float32 tensor, got {scale!r} "
+            f"({type(scale).__name__})"
+        )
+    value = float(scale)
+    if not (math.isfinite(value) and FP32_MIN_NORMAL <= value <= FP32_MAX):
+        raise ValueError(
+            f"{name} must be a finite positive float32 number in [2**-126, {FP32_MAX:.4g}], got "
+            f"{scale!r}"
+        )
+    return None, value
+
+
+def _scale_repr(scale: object) -> str:
+    return _describe(scale) if isinstance(scale, torch.Tensor) else repr(scale)
+
+
+def _check_cache_tensor(name: str, t: object, device: torch.device) -> torch.Tensor:
+    t = check_tensor(name, t)
+    if t.device != device:
+        raise ValueError(f"{name} must be on the inputs' device {device}, got {t.device}")
+    check_last_dim_contiguous(name, t)
+    check_inplace_target(name, t)
+    return t
+
+
+def _check_cache_dtype(name: str, t: torch.Tensor, kv_c: torch.Tensor) -> bool:
+    """True for an FP8 cache; a 16/32-bit cache must have ``kv_c``'s dtype."""
+    if t.dtype in FP8_DTYPES:
+        return True
+    if t.dtype != kv_c.dtype:
+        raise TypeError(
+            f"{name} must have kv_c's dtype {kv_c.dtype} (entries are copied) or be FP8 e4m3 "
+            f"(torch.float8_e4m3fn, or torch.uint8 codes), got dtype {t.dtype}"
+        )
+    return False
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` intersect (no device data read)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + _span(a)
+    b1 = b0 + _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _span(t: torch.Tensor) -> int:
+    return (sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * (
+        t.element_size()
+    )
+
+
+def _check_apart(written: tuple[tuple[str, torch.Tensor], ...], read: tuple) -> None:
+    if torch.compiler.is_compiling():  # addresses are not traced; checked in eager calls
+        return
+    for out_name, out in written:
+        for name, t in read:
+            if t is not None and overlaps(out, t):
+                raise ValueError(
+                    f"{out_name} and {name} share memory; {out_name} is written while {name} is "
+                    f"read: pass separate tensors"
+                )
+
+
+# ----------------------------------------------------------------------------- the append op
+def check_append_call(
+    kv_c: object,
+    k_pe: object,
+    cos: object,
+    sin: object,
+    positions: object,
+    cache: object,
+    slot_mapping: object,
+    cache_format: object,
+    kv_scale: object,
+    interleaved: object,
+    interleaved_out: object,
+) -> AppendCall:
+    """All host-side checks of a ``rope_append_kv_cache`` call."""
+    if not isinstance(cache_format, str):
+        raise TypeError(f"cache_format must be a str, got {cache_format!r}")
+    if cache_format not in CACHE_FORMATS:
+        raise ValueError(f"cache_format must be one of {CACHE_FORMATS}, got {cache_format!r}")
+    kv_c = _check_input("kv_c", kv_c, 2, "[T, L]")
+    k_pe = check_tensor("k_pe", k_pe)
+    _check_like("k_pe", k_pe, "kv_c", kv_c)
+    n_tokens, latent = kv_c.shape
+    if k_pe.dim() == 3 and k_pe.shape[1] == 1:
+        k_pe = k_pe.squeeze(1)
+    if k_pe.dim() != 2 or k_pe.shape[0] != n_tokens:
+        raise ValueError(
+            f"k_pe must be [T, R] or [T, 1, R] with kv_c's T = {n_tokens}, got shape "
+            f"{tuple(k_pe.shape)}"
+        )
+    check_last_dim_contiguous("k_pe", k_pe)
+    cos2d, sin2d = check_tables(cos, sin, kv_c.device)
+    check_tables_constant(cos, sin)
+    rope_dim = cos2d.shape[1]
+    if k_pe.shape[1] != rope_dim:
+        raise ValueError(
+            f"k_pe.shape[-1] must equal the rope dim R = cos.shape[-1] = {rope_dim}, got "
+            f"{k_pe.shape[1]}"
+        )
+    positions = _check_index("positions", positions, n_tokens, kv_c.device)
+    slot_mapping = _check_index("slot_mapping", slot_mapping, n_tokens, kv_c.device)
+    check_bool("interleaved", interleaved)
+    check_bool("interleaved_out", interleaved_out)
+    _check_not_differentiated(("kv_c", kv_c), ("k_pe", k_pe))
+
+    kpe_cache = None
+    if cache_format == "fp8_656":
+        cache = _check_fp8_656(cache, latent, rope_dim, kv_c.device)
+        fp8, why_not = False, "for cache_format='fp8_656' (its per-tile scales are computed)"
+    elif cache_format == "concat":
+        cache = _check_cache_tensor("cache", cache, kv_c.device)
+        if cache.dim() != 3 or cache.shape[2] != latent + rope_dim:
+            raise ValueError(
+                f"a concat cache must be [num_blocks, block_size, L + R] = [.., .., "
+                f"{latent + rope_dim}] (L = {latent}, R = {rope_dim}), got shape "
+                f"{tuple(cache.shape)}"
+            )
+        fp8 = _check_cache_dtype("cache", cache, kv_c)
+        why_not = f"for a {cache.dtype} cache (only FP8 caches are scaled)"
+    else:
+        if not isinstance(cache, (tuple, list)) or len(cache) != 2:
+            raise TypeError(
+                f"a split cache must be a pair (ckv [num_pages, page_size, L], kpe [num_pages, "
+                f"page_size, R]), got {type(cache).__name__}"
+            )
+        ckv = _check_cache_tensor("ckv (cache[0])", cache[0], kv_c.device)
+        kpe = _check_cache_tensor("kpe (cache[1])", cache[1], kv_c.device)
+        if ckv.dim() != 3 or ckv.shape[2] != latent:
+            raise ValueError(
+                f"ckv (cache[0]) must be [num_pages, page_size, L] with L = {latent}, got shape "
+                f"{tuple(ckv.shape)}"
+            )
+        if kpe.dim() != 3 or tuple(kpe.shape) != (*ckv.shape[:2], rope_dim):
+            raise ValueError(
+                f"kpe (cache[1]) must be [num_pages, page_size, R] = "
+                f"{[*ckv.shape[:2], rope_dim]} (ckv's pages, R = {rope_dim}), got shape "
+                f"{tuple(kpe.shape)}"
+            )
+        if kpe.dtype != ckv.dtype:
+            raise TypeError(
+                f"ckv and kpe (cache) must share a dtype, got {ckv.dtype} and {kpe.dtype}"
+            )
+        fp8 = _check_cache_dtype("ckv (cache[0])", ckv, kv_c)
+        _check_apart((("ckv (cache[0])", ckv),), (("kpe (cache[1])", kpe),))
+        cache, kpe_cache = ckv, kpe
+        why_not = f"for a {ckv.dtype} cache (only FP8 caches are scaled)"
+    if fp8:
+        why_not = f"for an FP8 {cache_format} cache"
+    scale, scale_value = _check_scale("kv_scale", kv_scale, fp8, why_not, kv_c.device)
+    inputs = (
+        ("kv_c", kv_c), ("k_pe", k_pe), ("cos", cos2d), ("sin", sin2d), ("positions", positions),
+        ("slot_mapping", slot_mapping), ("kv_scale", scale),
+    )  # fmt: skip
+    written = (("cache", cache),) if kpe_cache is None else (("ckv", cache), ("kpe", kpe_cache))
+    _check_apart(written, inputs)
+    return AppendCall(
+        kv_c, k_pe, cos2d, sin2d, positions, cache, kpe_cache, slot_mapping, scale, scale_value,
+        cache_format, interleaved, interleaved_out,
+    )  # fmt: skip
+
+
+def _check_fp8_656(cache: object, latent: int, rope_dim: int, device) -> torch.Tensor:
+    if latent != FP8_656_LATENT or rope_dim != FP8_656_ROPE:
+        raise ValueError(
+            f"cache_format='fp8_656' holds L = {FP8_656_LATENT} latent and R = {FP8_656_ROPE} "
+            f"rope values a token, got L = kv_c.shape[1] = {latent}, R = cos.shape[-1] = "
+            f"{rope_dim}"
+        )
+    cache = _check_cache_tensor("cache", cache, device)
+    if cache.dtype not in RECORD_DTYPES:
+        raise TypeError(
+            f"an fp8_656 cache holds bytes (uint8, int8 or float8_e4m3fn), got dtype {cache.dtype}"
+        )
+    four_d = cache.dim() == 4 and cache.shape[2] == 1
+    if not (cache.dim() == 3 or four_d) or cache.shape[-1] != FP8_656_BYTES:
+        raise ValueError(
+            f"an fp8_656 cache must be [num_blocks, block_size, 656] or [num_blocks, block_size, "
+            f"1, 656], got shape {tuple(cache.shape)}"
+        )
+    if cache.shape[1] > 1 and cache.stride(1) != FP8_656_BYTES:
+        raise ValueError(
+            f"the records of an fp8_656 cache must be 656 bytes apart within a block (FlashMLA "
+            f"reads a block as one array), got strides {tuple(cache.stride())}"
+        )
+    offset = 0 if torch.compiler.is_compiling() else cache.data_ptr() % 16
+    if offset or (cache.shape[0] > 1 and cache.stride(0) % 16 != 0):
+        raise ValueError(
+            f"an fp8_656 cache must be 16-byte aligned (data_ptr and block stride; its fields sit "
+            f"on 16-byte boundaries), got data_ptr % 16 = {offset}, strides "
+            f"{tuple(cache.stride())}"
+        )
+    return cache
+
+
+def validate_append_on_device(call: AppendCall) -> None:
+    """The checks that read device data (one sync): slots in the cache and distinct, the
+    positions of written tokens in the table, a tensor scale's value."""
+    cache = call.cache
+    if call.cache_format == "fp8_656" and cache.dim() == 4:
+        cache = cache.squeeze(2)
+    n_blocks, block_size = cache.shape[0], cache.shape[1]
+    capacity = n_blocks * block_size
+    slots = call.slot_mapping.detach().cpu().tolist()
+    positions = call.positions.detach().cpu().tolist()
+    rows = call.cos.shape[0]
+    seen: dict[int, int] = {}
+    for t, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
+        if slot == -1:
+            continue
+        if not 0 <= slot < capacity:
+            raise ValueError(
+                f"slot_mapping[{t}] = {slot} is outside the cache: slots are in [0, {capacity}) "
+                f"({n_blocks} blocks x {block_size}), and -1 marks a padding token"
+            )
+        if slot in seen:
+            raise ValueError(
+                f"slot_mapping[{t}] = {slot} repeats slot_mapping[{seen[slot]}]: two tokens "
+                f"cannot write one cache slot"
+            )
+        seen[slot] = t
+        if not 0 <= pos < rows:
+            raise ValueError(
+                f"positions[{t}] = {pos} is outside the table [0, {rows}) (cos.shape[0] = {rows})"
+            )
+    _validate_scale("kv_scale", call.scale)
+
+
+def _validate_scale(name: str, scale: torch.Tensor | None) -> None:
+    if scale is None:
+        return
+    value = float(scale.detach().reshape(()).cpu())
+    if not (math.isfinite(value) and value >= FP32_MIN_NORMAL):
+        raise ValueError(
+            f"{name} = {value!r}: a dequant scale must be a finite positive normal float32"
+        )
+
+
+# ------------------------------------------------------------------------------ the query op
+def check_query_call(
+    q_nope: object,
+    q_pe: object,
+    cos: object,
+    sin: object,
+    positions: object,
+    out: object,
+    out_dtype: object,
+    q_scale: object,
+    interleaved: object,
+    interleaved_out: object,
+) -> QueryCall:
+    """All host-side checks of a ``rope_decode_query`` call."""
+    q_nope = _check_input("q_nope", q_nope, 3, "[T, H, L]")
+    q_pe = _check_input("q_pe", q_pe, 3, "[T, H, R]")
+    _check_like("q_pe", q_pe, "q_nope", q_nope)
+    n_tokens, n_heads, latent = q_nope.shape
+    if q_pe.shape[:2] != q_nope.shape[:2]:
+        raise ValueError(
+            f"q_pe must be [T, H, R] with q_nope's T, H = {tuple(q_nope.shape[:2])}, got shape "
+            f"{tuple(q_pe.shape)}"
+        )
+    cos2d, sin2d = check_tables(cos, sin, q_nope.device)
+    check_tables_constant(cos, sin)
+    rope_dim = cos2d.shape[1]
+    if q_pe.shape[2] != rope_dim:
+        raise ValueError(
+            f"q_pe.shape[-1] must equal the rope dim R = cos.shape[-1] = {rope_dim}, got "
+            f"{q_pe.shape[2]}"
+        )
+    positions = _check_index("positions", positions, n_tokens, q_nope.device)
+    check_bool("interleaved", interleaved)
+    check_bool("interleaved_out", interleaved_out)
+    _check_not_differentiated(("q_nope", q_nope), ("q_pe", q_pe))
+    allowed = (q_nope.dtype, torch.float8_e4m3fn)
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
+    if out is not None:
+        out = check_tensor("out", out)
+        wanted = (n_tokens, n_heads, latent + rope_dim)
+        if tuple(out.shape) != wanted:
+            raise ValueError(
+                f"out must be [T, H, L + R] = {list(wanted)}, got shape {tuple(out.shape)}"
+            )
+        if out.device != q_nope.device:
+            raise ValueError(f"out must be on q_nope's device {q_nope.device}, got {out.device}")
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise TypeError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
+        out_dtype = out.dtype
+        check_last_dim_contiguous("out", out)
+        check_inplace_target("out", out)
+    out_dtype = q_nope.dtype if out_dtype is None else out_dtype
+    if out_dtype not in allowed:
+        raise TypeError(
+            f"the output dtype must be q_nope's dtype {q_nope.dtype} or torch.float8_e4m3fn, got "
+            f"{out_dtype}"
+        )
+    fp8 = out_dtype == torch.float8_e4m3fn
+    scale, scale_value = _check_scale(
+        "q_scale", q_scale, fp8, f"for a {out_dtype} output (only FP8 outputs are scaled)",
+        q_nope.device,
+    )  # fmt: skip
+    if out is not None:
+        read = (
+            ("q_nope", q_nope), ("q_pe", q_pe), ("cos", cos2d), ("sin", sin2d),
+            ("positions", positions), ("q_scale", scale),
+        )  # fmt: skip
+        _check_apart((("out", out),), read)
+    return QueryCall(
+        q_nope, q_pe, cos2d, sin2d, positions, out, fp8, scale, scale_value, interleaved,
+        interleaved_out,
+    )  # fmt: skip
+
+
+def validate_query_on_device(call: QueryCall) -> None:
+    """Positions in the table and a tensor scale's value (one sync)."""
+    rows = call.cos.shape[0]
+    pos = call.positions.detach().to(torch.int64)
+    bad = (pos < 0) | (pos >= rows)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"positions[{t}] = {int(pos[t])} is outside the table [0, {rows}) (cos.shape[0] = "
+            f"{rows})"
+        )
+    _validate_scale("q_scale", call.scale)

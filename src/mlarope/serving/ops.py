@@ -1,0 +1,154 @@
+"""Custom ops and backend dispatch of the serving ops.
+
+The backend follows the tensors, as for the core ops: CUDA tensors run the Triton kernels
+(``kernels/serving.py``), CPU tensors the PyTorch reference (:mod:`.reference`), or the same
+Triton kernels under Triton's interpreter with ``TRITON_INTERPRET=1``. Each op is a
+``torch.library.custom_op`` that declares what it writes (``mutates_args``), so
+``torch.compile(fullgraph=True)`` traces through it; eager calls run the implementations
+directly. Nothing here syncs with the device or allocates (given ``out``), so both ops can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Core import point (the backend choice, the tables' common stride).
+from ..ops import _same_table_strides, use_triton
+from . import reference
+
+
+def rope_append_kv_cache_impl(
+    kv_c: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache: Tensor,
+    kpe_cache: Tensor | None, slot_mapping: Tensor, scale: Tensor | None, scale_value: float,
+    cache_format: str, interleaved: bool, interleaved_out: bool,
+) -> None:  # fmt: skip
+    """Write ``T`` tokens into a paged cache (a checked call: ``formats.AppendCall``'s fields)."""
+    if not use_triton(kv_c):
+        reference.append_kv_cache(
+            kv_c, k_pe, cos, sin, positions, cache, kpe_cache, slot_mapping,
+            cache_format=cache_format, kv_scale=scale if scale is not None else scale_value,
+            interleaved_in=interleaved, interleaved_out=interleaved_out,
+        )  # fmt: skip
+        return
+    append_with_kernel(
+        kv_c, k_pe, cos, sin, positions, cache, kpe_cache, slot_mapping, scale, scale_value,
+        cache_format, interleaved, interleaved_out,
+    )  # fmt: skip
+
+
+def append_with_kernel(
+    kv_c: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache: Tensor,
+    kpe_cache: Tensor | None, slot_mapping: Tensor, scale: Tensor | None, scale_value: float,
+    cache_format: str, interleaved: bool, interleaved_out: bool, config=None,
+) -> None:  # fmt: skip
+    """The Triton backend of :func:`rope_append_kv_cache_impl`; ``config``: a
+    ``kernels.serving.AppendConfig`` instead of the heuristic's (the benchmark's sweep)."""
+    from ..kernels import serving as kernels
+
+    cos, sin = _same_table_strides(cos, sin)
+    if cache_format == "fp8_656":
+        records = reference.fp8_656_records(cache)
+        kernels.rope_append_launch(
+            kv_c, k_pe, cos, sin, positions, slot_mapping, records, records.view(torch.int16),
+            records.view(torch.int32), rope_offset=reference.FP8_656_ROPE_AT // 2,
+            nope_mode=2, rope_mode=5, scale=None, scale_value=1.0, interleaved_in=interleaved,
+            interleaved_out=interleaved_out, config=config,
+        )  # fmt: skip
+        return
+    fp8 = cache.dtype in (torch.float8_e4m3fn, torch.uint8)
+    nope_dst = kernels.bits(cache)
+    rope_dst = nope_dst if kpe_cache is None else kernels.bits(kpe_cache)
+    kernels.rope_append_launch(
+        kv_c if fp8 else kernels.bits(kv_c), k_pe, cos, sin, positions, slot_mapping, nope_dst,
+        rope_dst, None, rope_offset=kv_c.shape[1] if kpe_cache is None else 0,
+        nope_mode=1 if fp8 else 0, rope_mode=kernels.rope_mode(cache.dtype), scale=scale,
+        scale_value=scale_value, interleaved_in=interleaved, interleaved_out=interleaved_out,
+        config=config,
+    )  # fmt: skip
+
+
+def rope_decode_query_out_impl(
+    q_nope: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, out: Tensor,
+    scale: Tensor | None, scale_value: float, interleaved: bool, interleaved_out: bool,
+) -> None:  # fmt: skip
+    """Write ``[q_nope | rotate(q_pe)]`` into ``out: [T, H, L + R]`` (its dtype: the inputs' or
+    FP8 e4m3)."""
+    fp8 = out.dtype == torch.float8_e4m3fn
+    if not use_triton(q_nope):
+        result = reference.decode_query(
+            q_nope, q_pe, cos, sin, positions, out_dtype=out.dtype,
+            q_scale=(scale if scale is not None else scale_value) if fp8 else None,
+            interleaved_in=interleaved, interleaved_out=interleaved_out,
+        )  # fmt: skip
+        with torch.no_grad():
+            out.copy_(result)
+        return
+    query_with_kernel(
+        q_nope, q_pe, cos, sin, positions, out, scale, scale_value, interleaved, interleaved_out
+    )
+
+
+def query_with_kernel(
+    q_nope: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, out: Tensor,
+    scale: Tensor | None, scale_value: float, interleaved: bool, interleaved_out: bool,
+    config=None,
+) -> None:  # fmt: skip
+    """The Triton backend of :func:`rope_decode_query_out_impl` (``config``: a
+    ``kernels.serving.QueryConfig``, for the benchmark's sweep)."""
+    from ..kernels import serving as kernels
+
+    fp8 = out.dtype == torch.float8_e4m3fn
+    cos, sin = _same_table_strides(cos, sin)
+    kernels.rope_decode_query_launch(
+        q_nope if fp8 else kernels.bits(q_nope), q_pe, kernels.bits(out), cos, sin, positions,
+        nope_mode=1 if fp8 else 0, rope_mode=kernels.rope_mode(out.dtype), scale=scale,
+        scale_value=scale_value, interleaved_in=interleaved, interleaved_out=interleaved_out,
+        config=config,
+    )  # fmt: skip
+
+
+def rope_decode_query_impl(
+    q_nope: Tensor, q_pe: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, fp8: bool,
+    scale: Tensor | None, scale_value: float, interleaved: bool, interleaved_out: bool,
+) -> Tensor:  # fmt: skip
+    """The same into a new contiguous ``[T, H, L + R]`` tensor."""
+    out = q_nope.new_empty(
+        (*q_nope.shape[:2], q_nope.shape[2] + cos.shape[1]),
+        dtype=torch.float8_e4m3fn if fp8 else q_nope.dtype,
+    )
+    rope_decode_query_out_impl(
+        q_nope, q_pe, cos, sin, positions, out, scale, scale_value, interleaved, interleaved_out
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------- custom ops
+rope_append_kv_cache_op = torch.library.custom_op(
+    "mlarope::rope_append_kv_cache", rope_append_kv_cache_impl, mutates_args=("cache", "kpe_cache")
+)
+rope_decode_query_op = torch.library.custom_op(
+    "mlarope::rope_decode_query", rope_decode_query_impl, mutates_args=()
+)
+rope_decode_query_out_op = torch.library.custom_op(
+    "mlarope::rope_decode_query_out", rope_decode_query_out_impl, mutates_args=("out",)
+)
+
+
+@rope_append_kv_cache_op.register_fake
+def _append_fake(*args) -> None:
+    return None
+
+
+@rope_decode_query_out_op.register_fake
+def _query_out_fake(*args) -> None:
+    return None
+
+
+@rope_decode_query_op.register_fake
+def _query_fake(q_nope, q_pe, cos, sin, positions, fp8, *args):
+    return q_nope.new_empty(
+        (*q_nope.shape[:2], q_nope.shape[2] + cos.shape[1]),
+        dtype=torch.float8_e4m3fn if fp8 else q_nope.dtype,
+    )

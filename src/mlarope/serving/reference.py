@@ -1,0 +1,304 @@
+"""The serving ops in plain PyTorch: the spec the kernels match, the CPU backend, and the readers
+that dequantize a cache back (docs/serving.md).
+
+Every cache format is written by slot: slot ``s`` is entry ``s % block_size`` of block
+``s // block_size``; a slot outside ``[0, num_blocks * block_size)`` (``-1``: padding) is not
+written. Math runs in fp32 and each stored element is rounded (or quantized) once:
+
+- bf16 / fp16 / fp32: round to nearest even (the latent part is a copy);
+- FP8 e4m3 with a per-tensor dequant scale: ``code = e4m3(x / scale)`` (fp32 division);
+- ``fp8_656``: the latent in four 128-channel tiles, each with FlashMLA's power-of-two scale
+  ``s_j = 2 ** ceil(log2(max(amax_j / 448, 1e-4)))`` and ``code = e4m3(x / s_j)``; the rotated
+  rope values in bf16.
+
+``e4m3`` rounds to nearest even and saturates to +-448 (infinities too); NaN gives a NaN code.
+The encoder below does it with integer operations, the same as the kernels, and equals
+``torch``'s ``x.clamp(-448, 448).to(torch.float8_e4m3fn)`` on every non-NaN value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Core import point (the rotation's spec).
+from ..reference import rotate_pairs
+
+E4M3_MAX = 448.0
+FP8_656_BYTES = 656  # per token: 512 e4m3 codes, 4 fp32 tile scales, 64 bf16 rope values
+FP8_656_LATENT = 512
+FP8_656_ROPE = 64
+FP8_656_TILE = 128
+FP8_656_SCALES_AT = 512  # byte offsets within a record
+FP8_656_ROPE_AT = 528
+MIN_TILE_SCALE = 2.0**-13  # FlashMLA's floor 1e-4, rounded up to a power of two
+
+
+# ------------------------------------------------------------------------------ number formats
+def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> ``uint8`` FP8 e4m3fn codes: round to nearest even, saturating to +-448 (infinities
+    too); NaN -> ``0x7F`` with the sign of ``x``."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    is_nan = mag > 0x7F800000
+    mag = mag.clamp(max=0x43E00000)
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    significand = (mag & 0x7FFFFF) | 0x800000
+    shift = (141 - (mag >> 23)).clamp(max=25)
+    one = torch.ones_like(shift)
+    q = significand >> shift
+    rest = significand & ((one << shift) - 1)
+    half = one << (shift - 1)
+    q = q + ((rest > half) | ((rest == half) & ((q & 1) == 1))).to(torch.int32)
+    code = torch.where(mag < 0x3C800000, q, normal)
+    code = torch.where(is_nan, 0x7F, code) | sign
+    return code.to(torch.uint8)
+
+
+def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
+    """FP8 e4m3fn codes (``uint8``, ``int8`` or ``float8_e4m3fn``) -> fp32 values."""
+    if codes.dtype != torch.float8_e4m3fn:
+        codes = codes.view(torch.float8_e4m3fn)
+    return codes.to(torch.float32)
+
+
+def pow2_tile_scales(x: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's dequant scale per tile, exactly: ``x: [..., tiles, 128]`` -> ``[..., tiles]``
+    fp32 powers of two ``2 ** ceil(log2(max(amax / 448, 1e-4)))``. NaN does not count towards
+    ``amax``. Computed from the bits of ``amax``: for ``amax = m * 2**e`` (``1 <= m < 2``) the
+    scale is ``2**(e - 8)`` if ``m <= 1.75``, else ``2**(e - 7)``, at least ``2**-13`` (the fp32
+    quotient ``amax / 448`` rounds across no power of two, so this is the ceiling of the
+    rounded quotient; FlashMLA's ``log2`` in fp32 misses by a factor of two a few ulp above a
+    power of two)."""
+    x = x.to(torch.float32)
+    amax = torch.where(x.isnan(), 0.0, x.abs()).amax(-1)
+    bits = amax.contiguous().view(torch.int32)
+    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    exponent = exponent.clamp(min=114)
+    return (exponent << 23).view(torch.float32)
+
+
+def e4m3_step(value: torch.Tensor) -> torch.Tensor:
+    """The spacing of e4m3 values at magnitude ``|value|`` (fp64): ``2**(floor(log2|v|) - 3)``
+    for normal magnitudes, ``2**-9`` below ``2**-6``."""
+    v = value.abs().to(torch.float64).clamp(min=2.0**-6, max=E4M3_MAX)
+    return torch.exp2(torch.floor(torch.log2(v)) - 3)
+
+
+def as_scale(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A per-tensor dequant scale as a 0-d fp32 tensor on ``device``."""
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().reshape(()).to(device=device, dtype=torch.float32)
+    return torch.tensor(float(scale), dtype=torch.float32, device=device)
+
+
+def quantize(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """``e4m3(x / scale)`` in fp32 -> ``uint8`` codes."""
+    return e4m3_encode(x.to(torch.float32) / as_scale(scale, x.device))
+
+
+# ------------------------------------------------------------------------------------- rotation
+def rotate_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    interleaved_in: bool,
+    interleaved_out: bool,
+) -> torch.Tensor:
+    """``x: [T, R]`` or ``[T, H, R]`` rotated at ``positions: [T]`` in fp32 -> fp32, same shape;
+    a position outside ``[0, P)`` gives NaN (``cos, sin: [P, R]``)."""
+    pos = positions.to(torch.int64)
+    rows = cos.shape[0]
+    in_range = (pos >= 0) & (pos < rows)
+    index = pos.clamp(0, rows - 1)
+    c = cos.to(torch.float32)[index]
+    s = sin.to(torch.float32)[index]
+    heads = x.dim() == 3
+    rotated = rotate_pairs(
+        (x if heads else x.unsqueeze(1)).to(torch.float32), c, s,
+        torch.zeros_like(in_range), in_range,
+        interleaved_in=interleaved_in, interleaved_out=interleaved_out, inverse=False,
+        transpose=False,
+    )  # fmt: skip
+    return rotated if heads else rotated.squeeze(1)
+
+
+def _round(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+    """fp32 values stored as ``dtype`` (FP8: ``uint8`` codes of ``x / scale``)."""
+    if dtype in (torch.float8_e4m3fn, torch.uint8):
+        return quantize(x, scale)
+    return x.to(dtype)
+
+
+# ------------------------------------------------------------------------------------ the cache
+def _slots(slot_mapping: torch.Tensor, block_size: int, n_blocks: int):
+    """``(tokens, blocks, entries)`` of the tokens whose slot is in the cache; of several tokens
+    with one slot, the last."""
+    slots = slot_mapping.to(torch.int64)
+    valid = (slots >= 0) & (slots < n_blocks * block_size)
+    tokens = valid.nonzero().squeeze(1)
+    chosen = slots[tokens]
+    order = torch.argsort(chosen, stable=True)
+    last = torch.ones_like(order, dtype=torch.bool)
+    last[:-1] = chosen[order][1:] != chosen[order][:-1]
+    tokens, chosen = tokens[order[last]], chosen[order[last]]
+    return tokens, torch.div(chosen, block_size, rounding_mode="floor"), chosen % block_size
+
+
+def _as_codes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache as its ``uint8`` codes (a view)."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def fp8_656_records(cache: torch.Tensor) -> torch.Tensor:
+    """A FlashMLA FP8 cache (``[num_blocks, block_size, 656]`` or ``[..., 1, 656]``) as its
+    ``uint8`` records ``[num_blocks, block_size, 656]`` (a view)."""
+    if cache.dim() == 4:
+        cache = cache.squeeze(2)
+    return _as_codes(cache)
+
+
+@torch.no_grad()
+def append_kv_cache(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    cache: torch.Tensor,
+    kpe_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    *,
+    cache_format: str,
+    kv_scale: float | torch.Tensor | None,
+    interleaved_in: bool,
+    interleaved_out: bool,
+) -> None:
+    """Write each token's entry into its slot (checked inputs; ``k_pe: [T, R]``).
+
+    ``cache``: ``concat`` ``[num_blocks, block_size, L + R]``, ``split`` ``ckv [num_pages,
+    page_size, L]`` with ``kpe_cache [num_pages, page_size, R]``, or ``fp8_656`` records. Two
+    tokens with one slot: the later token's entry is written (the kernels leave it undefined).
+    """
+    rope = rotate_rope(
+        k_pe, cos, sin, positions, interleaved_in=interleaved_in, interleaved_out=interleaved_out
+    )
+    latent = kv_c.shape[1]
+    if cache_format == "fp8_656":
+        records = fp8_656_records(cache)
+        tokens, blocks, entries = _slots(slot_mapping, records.shape[1], records.shape[0])
+        x = kv_c[tokens].to(torch.float32).reshape(-1, latent // FP8_656_TILE, FP8_656_TILE)
+        scales = pow2_tile_scales(x)
+        codes = e4m3_encode(x * (1.0 / scales).unsqueeze(-1)).reshape(-1, latent)
+        record = torch.cat(
+            (codes, scales.view(torch.uint8), rope[tokens].to(torch.bfloat16).view(torch.uint8)),
+            dim=1,
+        )
+        _write(records, blocks, entries, record)
+        return
+    dtype = cache.dtype
+    if cache_format == "concat":
+        tokens, blocks, entries = _slots(slot_mapping, cache.shape[1], cache.shape[0])
+        entry = torch.cat(
+            (_store_latent(kv_c[tokens], dtype, kv_scale), _round(rope[tokens], dtype, kv_scale)),
+            dim=1,
+        )
+        _write(_as_codes(cache) if _is_fp8(dtype) else cache, blocks, entries, entry)
+        return
+    tokens, blocks, entries = _slots(slot_mapping, cache.shape[1], cache.shape[0])
+    for target, values in (
+        (cache, _store_latent(kv_c[tokens], dtype, kv_scale)),
+        (kpe_cache, _round(rope[tokens], dtype, kv_scale)),
+    ):
+        _write(_as_codes(target) if _is_fp8(dtype) else target, blocks, entries, values)
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.uint8)
+
+
+def _store_latent(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+    return quantize(x, scale) if _is_fp8(dtype) else x.to(dtype)
+
+
+def _write(target: torch.Tensor, blocks, entries, rows: torch.Tensor) -> None:
+    """``target[block, entry, :width] = row`` for each token (distinct slots)."""
+    target[blocks, entries, : rows.shape[1]] = rows
+
+
+@torch.no_grad()
+def read_kv_cache(
+    cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    *,
+    cache_format: str,
+    rope_dim: int | None = None,
+    kv_scale: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read entries back and dequantize them: ``(latent [n, L], rope [n, R])`` in fp32 for the
+    ``n`` slots in ``slots`` (each in the cache).
+
+    ``cache`` as :func:`mlarope.serving.rope_append_kv_cache` takes it (a ``(ckv, kpe)`` pair for
+    ``split``); ``rope_dim``: ``R``, needed for ``concat`` only; ``kv_scale``: the dequant scale
+    of an FP8 ``concat`` or ``split`` cache. ``fp8_656`` latents are ``code * s_j`` in fp32 (exact:
+    ``s_j`` is a power of two), as FlashMLA's kernels dequantize them.
+    """
+    slots = slots.to(torch.int64)
+    if cache_format == "fp8_656":
+        records = fp8_656_records(cache)
+        rec = records[torch.div(slots, records.shape[1], rounding_mode="floor"),
+                      slots % records.shape[1]]  # fmt: skip
+        n_tiles = FP8_656_LATENT // FP8_656_TILE
+        codes = rec[:, :FP8_656_SCALES_AT].reshape(-1, n_tiles, FP8_656_TILE)
+        scales = rec[:, FP8_656_SCALES_AT:FP8_656_ROPE_AT].contiguous().view(torch.float32)
+        latent = (e4m3_decode(codes) * scales.unsqueeze(-1)).reshape(-1, FP8_656_LATENT)
+        rope = rec[:, FP8_656_ROPE_AT:].contiguous().view(torch.bfloat16).to(torch.float32)
+        return latent, rope
+    if cache_format == "split":
+        ckv, kpe = cache
+        parts = [_gather(ckv, slots), _gather(kpe, slots)]
+    elif cache_format == "concat":
+        if rope_dim is None:
+            raise ValueError("read_kv_cache: the concat format needs rope_dim (R)")
+        rows = _gather(cache, slots)
+        parts = [rows[:, : rows.shape[1] - rope_dim], rows[:, rows.shape[1] - rope_dim :]]
+    else:
+        raise ValueError(f"unknown cache_format {cache_format!r}")
+    dtype = parts[0].dtype
+    if _is_fp8(dtype):
+        if kv_scale is None:
+            raise ValueError("read_kv_cache: an FP8 cache needs its kv_scale")
+        scale = as_scale(kv_scale, parts[0].device)
+        return tuple(e4m3_decode(p) * scale for p in parts)  # type: ignore[return-value]
+    return parts[0].to(torch.float32), parts[1].to(torch.float32)
+
+
+def _gather(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    return t[torch.div(slots, t.shape[1], rounding_mode="floor"), slots % t.shape[1]]
+
+
+# -------------------------------------------------------------------------------- decode query
+@torch.no_grad()
+def decode_query(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    q_scale: float | torch.Tensor | None,
+    interleaved_in: bool,
+    interleaved_out: bool,
+) -> torch.Tensor:
+    """``[q_nope | rotate(q_pe)]``: ``q_nope: [T, H, L]``, ``q_pe: [T, H, R]`` -> ``[T, H, L + R]``
+    in ``out_dtype`` (``torch.float8_e4m3fn``: codes of ``x / q_scale``)."""
+    rope = rotate_rope(
+        q_pe, cos, sin, positions, interleaved_in=interleaved_in, interleaved_out=interleaved_out
+    )
+    if out_dtype == torch.float8_e4m3fn:
+        out = torch.cat((quantize(q_nope, q_scale), quantize(rope, q_scale)), dim=-1)
+        return out.view(torch.float8_e4m3fn)
+    return torch.cat((q_nope.to(out_dtype), rope.to(out_dtype)), dim=-1)

@@ -1,0 +1,591 @@
+"""The serving API: host checks (each error names the value), device validation, the eager
+plans, ``torch.compile``, one launch per call, and (GPU lane) CUDA-graph capture and replay of
+a decode step with new positions and slots on every replay."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mlarope import serving
+from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
+from mlarope.kernels._launch import recording
+from mlarope.serving import _plans, formats
+from mlarope.serving import reference as ref
+from tests.serving_support import tables
+
+L, R, T, H = 512, 64, 4, 3
+
+
+def _append_args(device, fmt="concat", cache_dtype=torch.bfloat16, **changes):
+    gen = torch.Generator().manual_seed(0)
+    kv_c = torch.randn(T, L, generator=gen).to(torch.bfloat16).to(device)
+    k_pe = torch.randn(T, R, generator=gen).to(torch.bfloat16).to(device)
+    cos, sin = tables(R, 32, device)
+    positions = torch.tensor([1, 5, 0, 31], device=device)
+    slots = torch.tensor([3, -1, 0, 6], device=device)
+    if fmt == "concat":
+        cache = torch.zeros(2, 4, L + R, dtype=cache_dtype, device=device)
+    elif fmt == "split":
+        cache = (
+            torch.zeros(2, 4, L, dtype=cache_dtype, device=device),
+            torch.zeros(2, 4, R, dtype=cache_dtype, device=device),
+        )
+    else:
+        cache = torch.zeros(2, 4, 656, dtype=torch.uint8, device=device)
+    args = dict(
+        kv_c=kv_c, k_pe=k_pe, cos=cos, sin=sin, positions=positions, cache=cache,
+        slot_mapping=slots, cache_format=fmt,
+        kv_scale=0.05 if cache_dtype in formats.FP8_DTYPES and fmt != "fp8_656" else None,
+    )  # fmt: skip
+    args.update(changes)
+    return args
+
+
+def _query_args(device, **changes):
+    gen = torch.Generator().manual_seed(1)
+    cos, sin = tables(R, 32, device)
+    args = dict(
+        q_nope=torch.randn(T, H, 32, generator=gen).to(torch.bfloat16).to(device),
+        q_pe=torch.randn(T, H, R, generator=gen).to(torch.bfloat16).to(device),
+        cos=cos, sin=sin, positions=torch.tensor([1, 5, 0, 31], device=device),
+    )  # fmt: skip
+    args.update(changes)
+    return args
+
+
+def _append(args, **kw):
+    a = dict(args)
+    return serving.rope_append_kv_cache(
+        a.pop("kv_c"), a.pop("k_pe"), a.pop("cos"), a.pop("sin"), a.pop("positions"),
+        a.pop("cache"), a.pop("slot_mapping"), **a, **kw,
+    )  # fmt: skip
+
+
+def _query(args, **kw):
+    a = dict(args)
+    return serving.rope_decode_query(
+        a.pop("q_nope"), a.pop("q_pe"), a.pop("cos"), a.pop("sin"), a.pop("positions"), **a, **kw
+    )
+
+
+# ------------------------------------------------------------------------------- host checks
+def _u8(n, offset=0):
+    return torch.zeros(n + offset, dtype=torch.uint8)[offset:]
+
+
+_SHARED = torch.zeros(2, 4, L + R, dtype=torch.bfloat16)
+APPEND_ERRORS = [
+    (dict(cache_format=3), TypeError, "cache_format must be a str"),
+    (dict(cache_format="paged"), ValueError, "cache_format must be one of"),
+    (dict(kv_c=torch.zeros(T, L, dtype=torch.float64)), TypeError, "kv_c must be bfloat16"),
+    (dict(kv_c=torch.zeros(T, 2, L, dtype=torch.bfloat16)), ValueError, "kv_c must be 2-D"),
+    (
+        dict(kv_c=torch.zeros(L, T, dtype=torch.bfloat16).t()),
+        ValueError,
+        "kv_c must have a contiguous last dim",
+    ),
+    (
+        dict(k_pe=torch.zeros(T, R, dtype=torch.float16)),
+        TypeError,
+        "k_pe and kv_c must share a dtype",
+    ),
+    (
+        dict(k_pe=torch.zeros(T, 2, R, dtype=torch.bfloat16)),
+        ValueError,
+        "k_pe must be [T, R] or [T, 1, R]",
+    ),
+    (
+        dict(k_pe=torch.zeros(T, 32, dtype=torch.bfloat16)),
+        ValueError,
+        "k_pe.shape[-1] must equal the rope dim R",
+    ),
+    (dict(positions=torch.zeros(T)), TypeError, "positions must be int32 or int64"),
+    (
+        dict(positions=torch.zeros(T + 1, dtype=torch.int64)),
+        ValueError,
+        "positions must be 1-D [T] with T = 4",
+    ),
+    (
+        dict(slot_mapping=torch.zeros(1, T, dtype=torch.int64)),
+        ValueError,
+        "slot_mapping must be 1-D [T]",
+    ),
+    (
+        dict(cache=torch.zeros(2, 4, L, dtype=torch.bfloat16)),
+        ValueError,
+        "a concat cache must be [num_blocks, block_size, L + R]",
+    ),
+    (
+        dict(cache=torch.zeros(2, 4, L + R, dtype=torch.float16)),
+        TypeError,
+        "cache must have kv_c's dtype torch.bfloat16",
+    ),
+    (
+        dict(cache=torch.zeros(2, 4, L + R, dtype=torch.int32)),
+        TypeError,
+        "cache must have kv_c's dtype",
+    ),
+    (
+        dict(cache=torch.zeros(2, 4, L + R, dtype=torch.uint8)),
+        ValueError,
+        "kv_scale is required for an FP8 concat cache",
+    ),
+    (dict(kv_scale=0.5), ValueError, "kv_scale must be None for a torch.bfloat16 cache"),
+    (dict(interleaved=1), TypeError, "interleaved must be a bool"),
+    (dict(interleaved_out="yes"), TypeError, "interleaved_out must be a bool"),
+    (dict(kv_c=_SHARED.view(-1)[: T * L].view(T, L), cache=_SHARED), ValueError, "share memory"),
+]
+
+
+@pytest.mark.parametrize("change,error,message", APPEND_ERRORS)
+def test_append_checks(change, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        _append(_append_args("cpu", **change))
+
+
+def test_append_scale_checks():
+    for scale, error, message in [
+        (None, ValueError, "kv_scale is required"),
+        (True, TypeError, "kv_scale must be a float or a 1-element float32 tensor, got True"),
+        (0.0, ValueError, "kv_scale must be a finite positive float32 number"),
+        (-1.0, ValueError, "got -1.0"),
+        (float("inf"), ValueError, "got inf"),
+        (1e-40, ValueError, "got 1e-40"),
+        (torch.tensor([0.5], dtype=torch.float64), TypeError, "1-element float32 tensor"),
+        (torch.tensor([0.5, 1.0]), TypeError, "1-element float32 tensor, got shape (2,)"),
+    ]:
+        args = _append_args("cpu", cache_dtype=torch.float8_e4m3fn, kv_scale=scale)
+        with pytest.raises(error, match=re.escape(message)):
+            _append(args)
+    with pytest.raises(ValueError, match="kv_scale must be None for cache_format='fp8_656'"):
+        _append(_append_args("cpu", fmt="fp8_656", kv_scale=0.5))
+
+
+def test_split_and_fp8_656_cache_checks():
+    ckv = torch.zeros(2, 4, L, dtype=torch.bfloat16)
+    for cache, error, message in [
+        (ckv, TypeError, "a split cache must be a pair"),
+        ((ckv, torch.zeros(2, 4, 32, dtype=torch.bfloat16)), ValueError, "kpe (cache[1]) must be"),
+        (
+            (ckv[:, :, :64], torch.zeros(2, 4, R, dtype=torch.bfloat16)),
+            ValueError,
+            "ckv (cache[0]) must be [num_pages, page_size, L] with L = 512",
+        ),
+        ((ckv, torch.zeros(2, 4, R, dtype=torch.float16)), TypeError, "must share a dtype"),
+        ((ckv, ckv[:, :, :R]), ValueError, "ckv (cache[0]) and kpe (cache[1]) share memory"),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            _append(_append_args("cpu", fmt="split", cache=cache))
+    padded = torch.zeros(2, 4, 672, dtype=torch.uint8)[:, :, :656]
+    misaligned = _u8(2 * 4 * 656, offset=1).view(2, 4, 656)
+    for cache, error, message in [
+        (torch.zeros(2, 4, 656, dtype=torch.float32), TypeError, "an fp8_656 cache holds bytes"),
+        (
+            torch.zeros(2, 4, 655, dtype=torch.uint8),
+            ValueError,
+            "must be [num_blocks, block_size, 656]",
+        ),
+        (
+            torch.zeros(2, 4, 2, 656, dtype=torch.uint8),
+            ValueError,
+            "or [num_blocks, block_size, 1, 656]",
+        ),
+        (padded, ValueError, "must be 656 bytes apart"),
+        (misaligned, ValueError, "must be 16-byte aligned"),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            _append(_append_args("cpu", fmt="fp8_656", cache=cache))
+    with pytest.raises(ValueError, match=r"holds L = 512 latent and R = 64 .* got L = kv_c.shape"):
+        _append(_append_args("cpu", fmt="fp8_656", kv_c=torch.zeros(T, 256, dtype=torch.bfloat16)))
+
+
+def test_append_refuses_gradients_and_inference_caches():
+    kv_c = torch.zeros(T, L, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="kv_c requires grad; the serving ops are not differ"):
+        _append(_append_args("cpu", kv_c=kv_c))
+    with torch.no_grad():
+        _append(_append_args("cpu", kv_c=kv_c))  # fine without grad mode
+    with torch.inference_mode():
+        cache = torch.zeros(2, 4, L + R, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cache is an inference tensor"):
+        _append(_append_args("cpu", cache=cache))
+
+
+QUERY_ERRORS = [
+    (
+        dict(q_nope=torch.zeros(T, 32, dtype=torch.bfloat16)),
+        ValueError,
+        "q_nope must be 3-D [T, H, L]",
+    ),
+    (
+        dict(q_pe=torch.zeros(T, H + 1, R, dtype=torch.bfloat16)),
+        ValueError,
+        "q_pe must be [T, H, R] with q_nope's T, H",
+    ),
+    (
+        dict(q_pe=torch.zeros(T, H, 32, dtype=torch.bfloat16)),
+        ValueError,
+        "q_pe.shape[-1] must equal the rope dim",
+    ),
+    (dict(q_pe=torch.zeros(T, H, R)), TypeError, "q_pe and q_nope must share a dtype"),
+    (dict(out_dtype="fp8"), TypeError, "out_dtype must be a torch.dtype or None"),
+    (dict(out_dtype=torch.float16), TypeError, "the output dtype must be q_nope's dtype"),
+    (
+        dict(out_dtype=torch.float8_e4m3fn),
+        ValueError,
+        "q_scale is required for a torch.float8_e4m3fn output",
+    ),
+    (dict(q_scale=0.5), ValueError, "q_scale must be None for a torch.bfloat16 output"),
+    (
+        dict(out=torch.zeros(T, H, 32 + R + 1, dtype=torch.bfloat16)),
+        ValueError,
+        "out must be [T, H, L + R] = [4, 3, 96]",
+    ),
+    (
+        dict(out=torch.zeros(T, H, 96), out_dtype=torch.bfloat16),
+        TypeError,
+        "out has dtype torch.float32 but out_dtype is torch.bfloat16",
+    ),
+    (
+        dict(positions=torch.zeros(2, dtype=torch.int32)),
+        ValueError,
+        "positions must be 1-D [T] with T = 4",
+    ),
+]
+
+
+@pytest.mark.parametrize("change,error,message", QUERY_ERRORS)
+def test_query_checks(change, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        _query(_query_args("cpu", **change))
+
+
+def test_query_refuses_an_out_that_overlaps_its_inputs():
+    buf = torch.zeros(T, H, 32 + R, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out and q_pe share memory"):
+        _query(_query_args("cpu", q_pe=buf[..., 32:], out=buf))
+
+
+# ------------------------------------------------------------------------ device validation
+def test_append_validation_names_token_and_slot(device, monkeypatch):
+    cases = [
+        (
+            dict(slot_mapping=torch.tensor([3, -1, 8, 6])),
+            "slot_mapping[2] = 8 is outside the cache: slots are in [0, 8)",
+        ),
+        (
+            dict(slot_mapping=torch.tensor([3, -2, 0, 6])),
+            "slot_mapping[1] = -2 is outside the cache",
+        ),
+        (
+            dict(slot_mapping=torch.tensor([3, -1, 6, 6])),
+            "slot_mapping[3] = 6 repeats slot_mapping[2]",
+        ),
+        (
+            dict(positions=torch.tensor([1, 5, 32, 0])),
+            "positions[2] = 32 is outside the table [0, 32)",
+        ),
+    ]
+    for change, message in cases:
+        change = {k: v.to(device) for k, v in change.items()}
+        args = _append_args(device, **change)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            _append(args, validate=True)
+        monkeypatch.setenv("MLAROPE_VALIDATE", "1")
+        with pytest.raises(ValueError, match=re.escape(message)):
+            _append(args)
+        monkeypatch.delenv("MLAROPE_VALIDATE")
+    # a padding token's position is not read: no error
+    _append(
+        _append_args(device, positions=torch.tensor([1, 99, 0, 3], device=device)), validate=True
+    )
+    scale = torch.tensor([0.0], device=device)
+    with pytest.raises(ValueError, match=re.escape("kv_scale = 0.0: a dequant scale must be")):
+        _append(_append_args(device, cache_dtype=torch.uint8, kv_scale=scale), validate=True)
+
+
+def test_query_validation(device):
+    args = _query_args(device, positions=torch.tensor([1, 5, -3, 0], device=device))
+    with pytest.raises(ValueError, match=re.escape("positions[2] = -3 is outside the table")):
+        _query(args, validate=True)
+    out = _query(args)  # without validation: NaN rope values for that token
+    assert out[2, :, 32:].float().isnan().all() and not out[[0, 1, 3]].float().isnan().any()
+
+
+# ------------------------------------------------------------------------------ eager plans
+@pytest.mark.parametrize(
+    "fmt,cache_dtype,scale",
+    [("concat", torch.bfloat16, None), ("split", torch.uint8, "tensor"), ("fp8_656", None, None),
+     ("concat", torch.float8_e4m3fn, "value")],
+)  # fmt: skip
+def test_append_plan_replays_the_pipeline(device, monkeypatch, fmt, cache_dtype, scale):
+    """A repeated call takes its plan (no checks run) and writes what the pipeline writes, on
+    new tensors of the same metadata; a Python-number scale is read on every call."""
+    clear_launch_cache()
+    base = _append_args(device, fmt=fmt, cache_dtype=cache_dtype)
+    if scale == "tensor":
+        base["kv_scale"] = torch.tensor([0.05], device=device)
+    _append(base)
+    _append(base)
+    key = next(iter(LAUNCH_CACHE.plans))
+    assert LAUNCH_CACHE.plans[key][0][1].__class__ is _plans.Plan
+
+    gen = torch.Generator().manual_seed(7)
+    fresh = _append_args(device, fmt=fmt, cache_dtype=cache_dtype)
+    fresh["kv_c"] = torch.randn(T, L, generator=gen).to(torch.bfloat16).to(device)
+    fresh["slot_mapping"] = torch.tensor([7, 2, -1, 4], device=device)
+    if scale == "tensor":
+        fresh["kv_scale"] = torch.tensor([0.125], device=device)
+    elif scale == "value":
+        fresh["kv_scale"] = 0.125
+    expected = _append_args(device, fmt=fmt, cache_dtype=cache_dtype, **{
+        k: v for k, v in fresh.items() if k != "cache"
+    })  # fmt: skip
+    _append(expected, validate=True)  # the pipeline (validation takes no plan)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the checks ran: the call did not take its plan")
+
+    monkeypatch.setattr(formats, "check_append_call", fail)
+    _append(fresh)
+    monkeypatch.undo()
+    caches = (fresh["cache"], expected["cache"])
+    if fmt == "split":
+        caches = (torch.cat([c.view(torch.uint8) for c in caches[0]], -1),
+                  torch.cat([c.view(torch.uint8) for c in caches[1]], -1))  # fmt: skip
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+
+
+def test_plan_falls_back_to_the_pipeline(device):
+    clear_launch_cache()
+    base = _append_args(device, cache_dtype=torch.uint8)
+    _append(base)
+    _append(base)
+    with pytest.raises(ValueError, match="kv_scale must be a finite positive"):
+        _append(dict(base, kv_scale=-1.0))  # out of range: not taken by the plan
+    with pytest.raises(ValueError, match="cache and kv_c share memory"):
+        # the same metadata, but the cache's memory now holds kv_c
+        cache = torch.zeros(2, 4, L + R, dtype=torch.uint8, device=device)
+        kv_c = cache.view(-1)[: T * L * 2].view(torch.bfloat16).view(T, L)
+        _append(dict(base, cache=cache, kv_c=kv_c))
+    # other metadata: a new entry, not a wrong replay
+    _append(dict(base, kv_c=base["kv_c"].float(), k_pe=base["k_pe"].float()))
+    assert sum(len(entries) for entries in LAUNCH_CACHE.plans.values()) == 2
+
+
+def test_plans_live_in_the_one_launch_cache(device):
+    """The serving plans are entries of the core's launch cache, apart from the core's keys,
+    and ``clear_launch_cache()`` forgets them (they were kept in a table of their own, which
+    the core's reset left alone)."""
+    clear_launch_cache()
+    base = _append_args(device, cache_dtype=torch.uint8)
+    _append(base)
+    _append(base)
+    args = _query_args(device)
+    _query(args)
+    keys = list(LAUNCH_CACHE.plans)
+    assert sorted(k[0] for k in keys) == ["serving.append", "serving.query"]
+    clear_launch_cache()
+    assert not LAUNCH_CACHE.plans
+
+
+def test_query_plan(device, monkeypatch):
+    clear_launch_cache()
+    args = _query_args(device)
+    first = _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.02)
+    _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.02)
+    monkeypatch.setattr(formats, "check_query_call", lambda *a: 1 / 0)
+    again = _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.02)
+    other_scale = _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.04)
+    monkeypatch.undo()
+    assert again.data_ptr() != first.data_ptr()  # a new tensor each call
+    assert torch.equal(again.view(torch.uint8), first.view(torch.uint8))
+    want = _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.04, validate=True)
+    assert torch.equal(other_scale.view(torch.uint8), want.view(torch.uint8))
+    out = torch.empty(T, H, 32 + R, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        assert _query(args, out=out) is out
+    assert torch.equal(out, _query(args))
+
+
+def test_one_launch_per_call(device):
+    """Each op is one kernel launch (the pipeline, validated so that it records no plan of its
+    own; a plan replays that one launch)."""
+    for fmt, dtype in (("concat", torch.uint8), ("split", torch.bfloat16), ("fp8_656", None)):
+        with recording() as launches:
+            _append(_append_args(device, fmt=fmt, cache_dtype=dtype), validate=True)
+        assert len(launches) == 1, fmt
+    with recording() as launches:
+        _query(_query_args(device), out_dtype=torch.float8_e4m3fn, q_scale=1.0, validate=True)
+    assert len(launches) == 1
+
+
+# --------------------------------------------------------------------------- torch.compile
+def test_torch_compile_fullgraph(device):
+    """Both ops traced whole (custom ops with their mutations declared) write what eager
+    writes."""
+    torch._dynamo.reset()
+    a = _append_args(device, cache_dtype=torch.uint8)
+    q = _query_args(device)
+    scale = torch.tensor([0.05], device=device)
+
+    def step(kv_c, k_pe, q_nope, q_pe, positions, slots, cache, out):
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, a["cos"], a["sin"], positions, cache, slots, cache_format="concat",
+            kv_scale=scale,
+        )  # fmt: skip
+        serving.rope_decode_query(q_nope, q_pe, a["cos"], a["sin"], positions, out=out)
+        return serving.rope_decode_query(
+            q_nope, q_pe, a["cos"], a["sin"], positions, out_dtype=torch.float8_e4m3fn,
+            q_scale=0.5,
+        )  # fmt: skip
+
+    def run(fn):
+        cache = torch.zeros(2, 4, L + R, dtype=torch.uint8, device=device)
+        out = torch.empty(T, H, 32 + R, dtype=torch.bfloat16, device=device)
+        fp8 = fn(a["kv_c"], a["k_pe"], q["q_nope"], q["q_pe"], a["positions"],
+                 a["slot_mapping"], cache, out)  # fmt: skip
+        return cache, out, fp8.view(torch.uint8)
+
+    eager = run(step)
+    compiled = run(torch.compile(step, fullgraph=True))
+    for e, c in zip(eager, compiled, strict=True):
+        assert torch.equal(e, c)
+
+
+# ---------------------------------------------------------------------------- GPU: graphs
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["concat", "fp8_656"])
+def test_cuda_graph_decode_step(fmt):
+    """One decode step (query and cache append) captured once, replayed with new positions,
+    slots, scale and inputs each time: each replay writes what the reference writes."""
+    device = torch.device("cuda")
+    cos, sin = tables(R, 64, device)
+    n_tok, heads = 8, 16
+    gen = torch.Generator().manual_seed(3)
+    kv_c = torch.zeros(n_tok, L, dtype=torch.bfloat16, device=device)
+    k_pe = torch.zeros(n_tok, R, dtype=torch.bfloat16, device=device)
+    q_nope = torch.zeros(n_tok, heads, L, dtype=torch.bfloat16, device=device)
+    q_pe = torch.zeros(n_tok, heads, R, dtype=torch.bfloat16, device=device)
+    positions = torch.zeros(n_tok, dtype=torch.int64, device=device)
+    slots = torch.full((n_tok,), -1, dtype=torch.int64, device=device)
+    scale = torch.tensor([1.0], device=device)
+    out = torch.empty(n_tok, heads, L + R, dtype=torch.float8_e4m3fn, device=device)
+    shape = (16, 4, 656) if fmt == "fp8_656" else (16, 4, L + R)
+    cache = torch.zeros(shape, dtype=torch.uint8, device=device)
+    kv_scale = None if fmt == "fp8_656" else scale
+
+    def step():
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, cos, sin, positions, cache, slots, cache_format=fmt, kv_scale=kv_scale
+        )
+        serving.rope_decode_query(q_nope, q_pe, cos, sin, positions, out=out, q_scale=scale)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles and records outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(3):
+        new = {
+            kv_c: torch.randn(n_tok, L, generator=gen), k_pe: torch.randn(n_tok, R, generator=gen),
+            q_nope: torch.randn(n_tok, heads, L, generator=gen),
+            q_pe: torch.randn(n_tok, heads, R, generator=gen),
+            positions: torch.randint(0, 64, (n_tok,), generator=gen),
+            slots: torch.randperm(64, generator=gen)[:n_tok].masked_fill(
+                torch.arange(n_tok) % 3 == 1, -1),
+            scale: torch.tensor([0.01 * (replay + 1)]),
+        }  # fmt: skip
+        for dst, src in new.items():
+            dst.copy_(src)
+        expected_cache = cache.cpu()  # before the step, then written by the reference
+        ref.append_kv_cache(
+            kv_c.cpu(), k_pe.cpu(), cos.cpu(), sin.cpu(), positions.cpu(), expected_cache, None,
+            slots.cpu(), cache_format=fmt, kv_scale=None if kv_scale is None else scale.cpu(),
+            interleaved_in=True, interleaved_out=True,
+        )  # fmt: skip
+        graph.replay()
+        torch.cuda.synchronize()
+        expected_q = ref.decode_query(
+            q_nope.cpu(), q_pe.cpu(), cos.cpu(), sin.cpu(), positions.cpu(),
+            out_dtype=torch.float8_e4m3fn, q_scale=scale.cpu(), interleaved_in=True,
+            interleaved_out=True,
+        )  # fmt: skip
+        got_q = out.cpu().view(torch.uint8)
+        want_q = expected_q.view(torch.uint8)
+        assert torch.equal(got_q[..., :L], want_q[..., :L])
+        # rope codes: at most one step apart (fused multiply-adds in the kernel)
+        _assert_codes_close(got_q[..., L:], want_q[..., L:])
+        _assert_cache_close(cache.cpu(), expected_cache, fmt)
+
+
+def _assert_codes_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    a, b = ref.e4m3_decode(got).double(), ref.e4m3_decode(want).double()
+    assert bool(((a - b).abs() <= ref.e4m3_step(torch.maximum(a.abs(), b.abs()))).all())
+
+
+def _assert_cache_close(got, want, fmt):
+    if fmt == "fp8_656":
+        assert torch.equal(got[..., :528], want[..., :528])  # codes and tile scales: exact
+        rope_got = got[..., 528:].contiguous().view(torch.bfloat16).float()
+        rope_want = want[..., 528:].contiguous().view(torch.bfloat16).float()
+        assert torch.allclose(rope_got, rope_want, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(got[..., :L], want[..., :L])
+        _assert_codes_close(got[..., L:], want[..., L:])
+
+
+@pytest.mark.gpu
+def test_one_cuda_kernel_per_call():
+    """On the GPU each op runs exactly one kernel (the profiler counts them)."""
+    device = torch.device("cuda")
+    args = _append_args(device, cache_dtype=torch.uint8)
+    qargs = _query_args(device)
+    _append(args)
+    _query(qargs, out_dtype=torch.float8_e4m3fn, q_scale=0.5)
+    torch.cuda.synchronize()
+    for call in (lambda: _append(args),
+                 lambda: _query(qargs, out_dtype=torch.float8_e4m3fn, q_scale=0.5)):  # fmt: skip
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) == 1, [e.name for e in kernels]
+
+
+def test_demo_serving(device, capsys):
+    """``python -m mlarope demo --serving`` on this lane's backend: decode steps through the
+    FP8 cache, checked against the reference."""
+    from mlarope.tools import demo
+
+    assert demo.main(["--serving", "--device", device.type, "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_656 cache" in out and "demo passed" in out
+
+
+def test_docs_example_runs_as_pasted(tmp_path):
+    """docs/serving.md's first example, on the lane's device."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected = "torch.Size([4, 16, 576]) torch.Size([2, 512]) torch.Size([2, 64])"
+    assert result.stdout.strip() == expected
