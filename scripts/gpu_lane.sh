@@ -43,8 +43,9 @@ for step in "${steps[@]}"; do
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
         python3 -m mlarope info; } 2>&1 | tee "$OUT/info.txt" ;;
     tests)
-      timeout "${TESTS_SECONDS:-200}" python3 -m pytest -q -n 16 tests --device cuda \
-        -k "not gloo" -p no:cacheprovider -rfE -v --durations=15 \
+      # TESTS_K: the -k expression (default "not gloo"); TESTS_WORKERS: pytest-xdist workers.
+      timeout "${TESTS_SECONDS:-200}" python3 -m pytest -q -n "${TESTS_WORKERS:-16}" tests \
+        --device cuda -k "${TESTS_K:-not gloo}" -p no:cacheprovider -rfE -v --durations=15 \
         >"$OUT/pytest.log" 2>&1 || status=1
       grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -30 ;;
     stress)
@@ -103,9 +104,12 @@ for step in "${steps[@]}"; do
       # benchmark: prefill and decode per cache format, the unfused sequence, FlashInfer when it
       # imports (docs/benchmarks.md, "Serving"). SERVING_ARGS: more arguments, e.g. "--sweep"
       # (other launch configurations and the integer FP8 encoder; about a minute of compiles).
-      timeout "${SERVING_TESTS_SECONDS:-150}" python3 -m pytest -q -n 8 --device cuda \
-        -p no:cacheprovider -rfE tests/test_serving_*.py 2>&1 | tail -15
-      [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      # SERVING_TESTS=0 leaves the tests out (when the tests step ran them in the same call).
+      if [ "${SERVING_TESTS:-1}" = 1 ]; then
+        timeout "${SERVING_TESTS_SECONDS:-150}" python3 -m pytest -q -n 8 --device cuda \
+          -p no:cacheprovider -rfE tests/test_serving_*.py 2>&1 | tail -15
+        [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      fi
       # shellcheck disable=SC2086
       timeout "${SERVING_SECONDS:-240}" python3 -m mlarope.tools.bench.serving --out "$OUT" \
         ${SERVING_ARGS:-} 2>&1 | tail -100 ;;

@@ -18,8 +18,13 @@ Error model, model level (``y`` = logits and the gradient of every parameter, ea
   only in how the rope step rounds (same tables, same formula, each within a few fp32 units of
   the exact rotation), so each is within the network's own fp32 rounding error of the exact value;
   ``max|y_unpatched - y_fp64|`` measures that error on this input. Bound, per tensor:
-  ``max|y_patched - y_unpatched| <= 2 * max|y_unpatched - y_fp64| + 2**-24 * max|y_fp64|``. A wrong
-  rotation moves the outputs by O(1) relative, 10^5 times that (``test_negative_control``).
+  ``max|y_patched - y_unpatched| <= 2 * max(max|y_unpatched - y_fp64|, rho * max|y_fp64|)
+  + 2**-24 * max|y_fp64|``, where ``rho`` is the median over all tensors of
+  ``max|y_unpatched - y_fp64| / max|y_fp64|``: the network's typical fp32 noise, a floor that keeps
+  a tensor whose unpatched error happens to be small (mistral_large4's 4-element
+  ``softmax_scaling.bias`` gradient: 0.3 rho) from making the bound vanish; the fused
+  multiply-add of the GPU and of Triton 3.7+'s interpreter moved it by 1.0 rho. A wrong rotation
+  moves the outputs by O(1) relative, 10^5 times that (``test_negative_control``).
 - bf16: transformers' DeepSeek-style functions round three times in bf16 (``q * cos``,
   ``rotate_half(q) * sin``, the sum), DeepSeek-V2's and hy_v4_vl's once after fp32 math; mlarope
   rounds once, to nearest (reference backend, GPU) or by truncation (Triton's interpreter: within
@@ -63,6 +68,7 @@ from transformers.models.auto import modeling_auto
 import mlarope
 from mlarope.integrations import transformers as mt
 from mlarope.integrations.transformers import _patch, _rotation
+from tests.harness import interpreter_fma_rounds_once
 
 REPORT = {row.name: row for row in mt.family_report()}
 PATCHED = sorted(name for name, row in REPORT.items() if row.status == "patched")
@@ -202,11 +208,12 @@ class CallCounter:
 
 
 def fp32_bounds(unpatched, truth) -> dict[str, float]:
-    return {
-        k: 2 * float((unpatched[k].double() - t.double()).abs().max())
-        + U32 * float(t.double().abs().max())
-        for k, t in truth.items()
-    }
+    """Per tensor ``2 * max(max|u - t|, rho * max|t|) + 2**-24 * max|t|`` (module docstring)."""
+    err = {k: float((unpatched[k].double() - t.double()).abs().max()) for k, t in truth.items()}
+    top = {k: float(t.double().abs().max()) for k, t in truth.items()}
+    relative = sorted(err[k] / top[k] for k in truth if top[k] > 0)
+    rho = relative[len(relative) // 2] if relative else 0.0
+    return {k: 2 * max(err[k], rho * top[k]) + U32 * top[k] for k in truth}
 
 
 def assert_fp32_close(patched, unpatched, truth, what):
@@ -377,12 +384,18 @@ def test_family_matches_transformers(family, dtype, device, monkeypatch):
     assert counter.rotated > 0, "the tiny model called none of the family's rotary functions"
     # Bit for bit on the CPU (below), except DeepSeek-V2's complex product: one PyTorch kernel
     # whose rounding depends on the layout (a vectorised path may fuse the multiply-add), within
-    # a few fp32 units of mlarope's.
-    bitwise = cpu and not any(m.complex_freqs for m in _patch.family(family).mappings.values())
+    # a few fp32 units of mlarope's. The kernels compute ``fma(a, c, -(b * s))``: PyTorch's
+    # ``a * c - b * s`` bit for bit only where the interpreter's fma rounds twice (Triton 3.6);
+    # a newer interpreter rounds once, as the GPU does, and is bounded as the GPU lane is.
+    complex_product = any(m.complex_freqs for m in _patch.family(family).mappings.values())
+    bitwise = {
+        "reference": cpu and not complex_product,
+        "kernels": cpu and not complex_product and not interpreter_fma_rounds_once(),
+    }
     # The fp64 run measures the model's own rounding noise: what the comparison is bounded by
     # where it is not bitwise (the GPU lane; bf16, where mlarope's one rounding differs from
-    # transformers' three; DeepSeek-V2).
-    truth = None if fp32 and bitwise else run(model64, ids, pos)
+    # transformers' three; DeepSeek-V2; the kernels under a fused-fma interpreter).
+    truth = None if fp32 and all(bitwise.values()) else run(model64, ids, pos)
     nearest = (
         None if fp32 else run_emulated(monkeypatch, family, False, lambda: run(model, ids, pos))
     )
@@ -403,7 +416,7 @@ def test_family_matches_transformers(family, dtype, device, monkeypatch):
         what = f"{family} {backend} {dtype}"
         if not fp32:
             assert_bf16_close(patched, (unpatched, nearest), truth, what)
-        if not bitwise:
+        if not bitwise[backend]:
             if fp32:
                 assert_fp32_close(patched, unpatched, truth, what)
             continue
