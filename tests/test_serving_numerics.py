@@ -12,8 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mlarope.kernels.serving import bf16_bits, e4m3_codes, pow2_tile_scales
+from mlarope.kernels.serving import bf16_bits, e4m3_codes, pow2_tile_scales, quotient
 from mlarope.serving import reference as ref
+from tests.harness import interpreter_fma_rounds_once
 
 
 def _torch_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -162,3 +163,68 @@ def test_kernel_bf16_rounding_every_input(device, dtype, native):
     x = x[~x.isnan()]
     _, bf16, _ = run(x)
     assert torch.equal(bf16, x.to(torch.bfloat16).view(torch.int16))
+
+
+# ------------------------------------------------------------------------- x / scale, rounded
+@triton.jit
+def _quotient_kernel(x_ptr, out_ptr, scale, n, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(x_ptr + o, mask=m, other=0.0)
+    q = quotient(x, scale, FAST)
+    tl.store(out_ptr + o, e4m3_codes(q, False), mask=m)
+    tl.store(out_ptr + n + o, q.to(tl.int32, bitcast=True).to(tl.uint8), mask=m)  # low bits
+
+
+def _quotient_inputs(scale: float) -> torch.Tensor:
+    """For one scale: every e4m3 value, midpoint and the floats either side of a midpoint, times
+    the scale and moved by up to 3 ulps (the quotients near a rounding boundary of the code),
+    random magnitudes, and the special values."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = ref.e4m3_decode(codes)
+    values = values[~values.isnan()].sort().values.double()
+    mids = (values[1:] + values[:-1]) / 2
+    near = (torch.cat((values, mids)) * scale).float()
+    bits = near.view(torch.int32)
+    moved = torch.cat([(bits + d).view(torch.float32) for d in range(-3, 4)])
+    gen = torch.Generator().manual_seed(5)
+    mags = torch.exp2(torch.empty(20000).uniform_(-40, 40, generator=gen)) * scale
+    signs = torch.where(torch.rand(20000, generator=gen) < 0.5, -1.0, 1.0)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3e38, -3e38, 1e-45, 1e-38])
+    x = torch.cat((moved, (mags * signs).float(), special))
+    return x[x.isfinite() | x.isinf()]
+
+
+# Markstein's correction runs where the fma rounds once: compiled code, and Triton's interpreter
+# from 3.7 on (3.6's rounds twice: the division there).
+FAST_PATHS = [
+    pytest.param(False, id="division"),
+    pytest.param(True, id="markstein"),
+]
+
+
+@pytest.mark.parametrize("fast", FAST_PATHS)
+@pytest.mark.parametrize(
+    "scale",
+    [1.0, 0.0123, 3.7e-3, 1 / 448, 17.3, 2.0**-20 * 1.37, 2.0**-90, 2.0**90, 6e-30, 5e28],
+    ids=lambda s: f"{s:.3g}",
+)
+def test_quotient_is_torchs_division(device, fast, scale):
+    """``quotient`` gives the bits of torch's fp32 ``x / scale`` wherever they reach the e4m3
+    code, on the path compiled kernels take (Markstein's correction; scales outside
+    [2**-90, 2**90] divide) and on the interpreter's (the division)."""
+    if fast and torch.device(device).type == "cpu" and not interpreter_fma_rounds_once():
+        pytest.skip("Triton 3.6's interpreter rounds tl.fma twice: the correction needs one")
+    x = _quotient_inputs(scale)
+    n = x.numel()
+    out = torch.empty(2 * n, dtype=torch.uint8, device=device)
+    scale32 = float(torch.tensor(scale, dtype=torch.float32))
+    _quotient_kernel[(triton.cdiv(n, 4096),)](x.to(device), out, scale32, n, BLOCK=4096, FAST=fast)
+    out = out.cpu()
+    want = x / torch.tensor(scale32, dtype=torch.float32)
+    assert torch.equal(out[:n], _torch_e4m3(want))
+    # the quotient itself, bit for bit where it is finite (its low 8 bits; the code above checks
+    # the rest), except below 2**-120, where a Markstein remainder may underflow (codes: 0)
+    exact = want.isfinite() & (want.abs() >= 2.0**-120)
+    low = want.view(torch.int32).to(torch.uint8)
+    assert torch.equal(out[n:][exact], low[exact])

@@ -18,8 +18,9 @@ backends:
 - FP8 e4m3: round to nearest even, saturating to +-448 (``inf`` too), NaN to a NaN code
   (``e4m3_codes``), what CUDA's ``__NV_SATFINITE`` conversion gives, and torch's
   ``.to(torch.float8_e4m3fn)`` of the clamped value;
-- per-tensor scales divide with IEEE rounding (``tl.math.div_rn``; Triton's ``/`` is an
-  approximate division on the GPU), as ``x / scale`` in PyTorch;
+- per-tensor scales divide with IEEE rounding, as ``x / scale`` in PyTorch (``quotient``: a
+  reciprocal and Markstein's correction in compiled code, ``tl.math.div_rn`` otherwise;
+  Triton's ``/`` is an approximate division on the GPU);
 - FlashMLA's per-tile scale ``2 ** ceil(log2(amax / 448))``, at least ``2 ** -13``, from the
   bits of ``amax`` (``pow2_tile_scales``): exact, so both backends store the same scale bits.
 
@@ -125,6 +126,34 @@ def pow2_tile_scales(amax):
 
 
 @triton.jit
+def quotient(x, scale, FAST: tl.constexpr):
+    """fp32 ``x / scale`` rounded once (IEEE division), ``scale`` a scalar.
+
+    ``FAST`` (compiled code, whose ``tl.fma`` rounds once): one reciprocal per program and
+    Markstein's correction per element, ``q = x * (1/s)``, ``r = fma(-q, s, x)`` (exact),
+    ``fma(r, 1/s, q)``: the correctly rounded quotient when ``1/s`` is, and ``q`` is within an
+    ulp, with no underflow in ``r``. That holds for ``2**-90 <= s <= 2**90`` wherever the e4m3
+    code depends on the quotient (``2**-10 <= |q| <= 448``); a quotient that overflows stays
+    infinite (the correction would make it NaN) and a zero keeps its sign; other scales divide
+    per element. Three
+    floating-point operations where ``div.rn.f32`` is a subroutine of about ten and a branch,
+    which made the FP8 decode query issue-bound (docs/perf_log.md). Otherwise the division
+    (Triton 3.6's interpreter rounds an fma twice)."""
+    if FAST:
+        if (scale >= 8.077935669463161e-28) & (scale <= 1.2379400392853803e27):
+            inverse = tl.math.div_rn(1.0, scale)
+            q = x * inverse
+            fixed = tl.fma(tl.fma(-q, scale, x), inverse, q)
+            # A zero keeps its sign (the correction's sum would make -0 positive).
+            q = tl.where((fixed == fixed) & (q != 0.0), fixed, q)
+        else:
+            q = tl.math.div_rn(x, scale)
+    else:
+        q = tl.math.div_rn(x, scale)
+    return q
+
+
+@triton.jit
 def _per_tensor_scale(scale_ptr, scale_value, SCALE_MODE: tl.constexpr):
     if SCALE_MODE == SCALE_TENSOR:
         return tl.load(scale_ptr).to(tl.float32)
@@ -142,7 +171,7 @@ def _encode(x, scale, MODE: tl.constexpr, NATIVE: tl.constexpr):
     elif MODE == BF16:
         return bf16_bits(x, NATIVE)
     else:
-        return e4m3_codes(tl.math.div_rn(x, scale), NATIVE)
+        return e4m3_codes(quotient(x, scale, NATIVE), NATIVE)
 
 
 @triton.jit
@@ -230,7 +259,7 @@ def _rope_append_kernel(
     if NOPE_MODE == COPY:
         tl.store(nope_ptr + nope_row + c, x, mask=m_c)
     elif NOPE_MODE == E4M3:
-        codes = e4m3_codes(tl.math.div_rn(x.to(tl.float32), scale), NATIVE)
+        codes = e4m3_codes(quotient(x.to(tl.float32), scale, NATIVE), NATIVE)
         tl.store(nope_ptr + nope_row + c, codes, mask=m_c)
     else:
         tl.static_assert(L % 128 == 0)
@@ -317,7 +346,7 @@ def _rope_decode_query_kernel(
         m = m_row & (c < L)
         x = tl.load(qn_ptr + qn_row + c, mask=m)
         if NOPE_MODE == E4M3:
-            x = e4m3_codes(tl.math.div_rn(x.to(tl.float32), scale), NATIVE)
+            x = e4m3_codes(quotient(x.to(tl.float32), scale, NATIVE), NATIVE)
         tl.store(out_ptr + o_row + c, x, mask=m)
 
     out_a, out_b = rotate(
