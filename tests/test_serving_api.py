@@ -376,6 +376,32 @@ def test_plan_falls_back_to_the_pipeline(device):
     assert sum(len(entries) for entries in LAUNCH_CACHE.plans.values()) == 2
 
 
+@pytest.mark.parametrize("shared", ["positions_and_slots", "cos_and_sin"])
+def test_plan_of_a_call_with_one_tensor_twice(device, shared):
+    """A call that passes one tensor for two arguments (``positions`` and ``slot_mapping`` of a
+    fresh sequence, or ``cos`` and ``sin``) and a later call with two tensors of the same
+    metadata: the later call reads each of its own tensors (the plan mapped both launch
+    arguments to the first, so the replay wrote the entries at slot = position)."""
+    clear_launch_cache()
+    base = _append_args(device)
+    if shared == "positions_and_slots":
+        idx = torch.tensor([3, 1, 0, 6], device=device)
+        first = dict(base, positions=idx, slot_mapping=idx)
+        second = dict(base, positions=torch.tensor([5, 9, 2, 17], device=device),
+                      slot_mapping=torch.tensor([0, 7, 4, 2], device=device))  # fmt: skip
+    else:
+        first = dict(base, sin=base["cos"])
+        second = base
+    _append(first)
+    _append(first)
+    cache = second["cache"]
+    cache.zero_()
+    _append(second)
+    want = torch.zeros_like(cache)
+    _append(dict(second, cache=want), validate=True)  # the pipeline: no plan is taken
+    assert torch.equal(cache, want)
+
+
 def test_plans_live_in_the_one_launch_cache(device):
     """The serving plans are entries of the core's launch cache, apart from the core's keys,
     and ``clear_launch_cache()`` forgets them (they were kept in a table of their own, which

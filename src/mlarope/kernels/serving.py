@@ -127,18 +127,18 @@ def pow2_tile_scales(amax):
 
 @triton.jit
 def quotient(x, scale, FAST: tl.constexpr):
-    """fp32 ``x / scale`` rounded once (IEEE division), ``scale`` a scalar.
+    """fp32 ``x / scale`` as IEEE division rounds it, for the e4m3 encoder; ``scale`` a scalar.
 
     ``FAST`` (compiled code, whose ``tl.fma`` rounds once): one reciprocal per program and
     Markstein's correction per element, ``q = x * (1/s)``, ``r = fma(-q, s, x)`` (exact),
-    ``fma(r, 1/s, q)``: the correctly rounded quotient when ``1/s`` is, and ``q`` is within an
-    ulp, with no underflow in ``r``. That holds for ``2**-90 <= s <= 2**90`` wherever the e4m3
-    code depends on the quotient (``2**-10 <= |q| <= 448``); a quotient that overflows stays
-    infinite (the correction would make it NaN) and a zero keeps its sign; other scales divide
-    per element. Three
-    floating-point operations where ``div.rn.f32`` is a subroutine of about ten and a branch,
-    which made the FP8 decode query issue-bound (docs/perf_log.md). Otherwise the division
-    (Triton 3.6's interpreter rounds an fma twice)."""
+    ``fma(r, 1/s, q)``: the correctly rounded quotient when ``1/s`` is, ``q`` is within an ulp
+    and ``r`` does not underflow. For ``2**-90 <= s <= 2**90`` that holds wherever the e4m3 code
+    depends on the quotient (``|q| >= 2**-10``); below, the low bits may differ and the code is
+    the same signed zero. A quotient that overflows stays infinite (the correction would make it
+    NaN) and a zero keeps its sign; other scales divide per element. Three floating-point
+    operations where ``div.rn.f32`` is a subroutine of about ten and a branch, which made the
+    FP8 decode query issue-bound (docs/perf_log.md). Otherwise the division (Triton 3.6's
+    interpreter rounds an fma twice)."""
     if FAST:
         if (scale >= 8.077935669463161e-28) & (scale <= 1.2379400392853803e27):
             inverse = tl.math.div_rn(1.0, scale)

@@ -281,10 +281,9 @@ def _span(t: torch.Tensor) -> int:
 
 def _source_of(arg: torch.Tensor, tensors: tuple) -> int | None:
     """The one call tensor whose memory ``arg`` starts at (itself or a view of it); None when
-    none, or several, do."""
-    for j, t in enumerate(tensors):
-        if arg is t:
-            return j
+    none, or several, do: one tensor passed for two arguments (``positions`` and
+    ``slot_mapping``, ``cos`` and ``sin``) gives no plan, since a later call with two tensors
+    would find both launch arguments mapped to one of them."""
     ptr = arg.data_ptr()
     matches = [j for j, t in enumerate(tensors) if t.data_ptr() == ptr]
     return matches[0] if len(matches) == 1 else None
