@@ -63,6 +63,11 @@ class Signature(NamedTuple):
     tensors: tuple
 
 
+# ``tuple.__new__(Signature, (key, tensors))`` makes the same object as ``Signature(key,
+# tensors)`` without the generated ``__new__``'s Python frame (0.2 µs of a decode call).
+_signature = tuple.__new__
+
+
 class Plan:
     """The recorded launch of one call signature: ``plan(inputs)`` -> the list of outputs."""
 
@@ -132,7 +137,7 @@ def query_signature(
         "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace,
         len(tensors), q.shape, alignment, _device_key(q), grad_mode,
     )  # fmt: skip
-    return Signature(key, tensors)
+    return _signature(Signature, (key, tensors))
 
 
 def kv_signature(
@@ -157,7 +162,7 @@ def kv_signature(
         "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v,
         len(tensors), kv.shape, alignment, _device_key(kv), grad_mode,
     )  # fmt: skip
-    return Signature(key, tensors)
+    return _signature(Signature, (key, tensors))
 
 
 def _alignment(tensors: tuple) -> int | None:
@@ -189,8 +194,11 @@ def find(signature: Signature | None) -> Plan | None:
     was recorded without one, or is yet to be recorded (:func:`recorder`)."""
     if signature is None:
         return None
-    entry = _entry(signature)
-    return None if entry is _MISSING else entry
+    key, tensors = signature
+    for guard, plan in LAUNCH_CACHE.plans.get(key, ()):
+        if guard(*tensors):
+            return plan
+    return None
 
 
 def _entry(signature: Signature):
