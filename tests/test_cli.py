@@ -128,6 +128,7 @@ def test_stress_without_gpu_or_interpreter_exits_2():
         [str(BENCHMARKS / "sweep.py")],
         [str(BENCHMARKS / "kernel_report.py")],
         [str(BENCHMARKS / "serving_kernel_report.py")],
+        [str(BENCHMARKS / "host_path_cpu.py")],
     ],
     ids=lambda entry: entry[-1].replace(str(BENCHMARKS), "benchmarks"),
 )
