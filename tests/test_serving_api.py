@@ -394,9 +394,14 @@ def test_plan_of_a_call_with_one_tensor_twice(device, shared):
         second = base
     _append(first)
     _append(first)
+    assert not LAUNCH_CACHE.plans  # the aliased call takes the pipeline and records nothing
     cache = second["cache"]
     cache.zero_()
     _append(second)
+    _append(second)  # a plan now, for the calls with distinct tensors
+    assert sum(plan is not None for e in LAUNCH_CACHE.plans.values() for _, plan in e) == 1
+    cache.zero_()
+    _append(second)  # its replay
     want = torch.zeros_like(cache)
     _append(dict(second, cache=want), validate=True)  # the pipeline: no plan is taken
     assert torch.equal(cache, want)

@@ -137,7 +137,10 @@ def _scale_kind(scale):
 
 def _addresses(tensors: tuple) -> list[int] | None:
     """Every tensor's address, or None if one is not a plain tensor with storage (a subclass,
-    vmap's batched tensors, None where a tensor belongs): those calls take the pipeline."""
+    vmap's batched tensors, None where a tensor belongs) or two start at one address (one
+    tensor passed for ``positions`` and ``slot_mapping``, say: a launch recorded from it cannot
+    say which argument a later call's tensor belongs to): those calls take the pipeline and
+    record nothing, so calls with distinct tensors of the same metadata keep their plan."""
     try:
         addresses = [t.data_ptr() for t in tensors]
     except (RuntimeError, AttributeError):
@@ -145,6 +148,8 @@ def _addresses(tensors: tuple) -> list[int] | None:
     for t in tensors:
         if t.__class__ is not torch.Tensor:
             return None
+    if len(set(addresses)) != len(addresses):
+        return None
     return addresses
 
 
