@@ -650,6 +650,54 @@ def test_probe_maps_exact_functions_only(fn, expected):
     assert text.startswith(expected) or expected in text, text
 
 
+def _query_dtype_for_both(q, k, cos, sin, unsqueeze_dim=1):
+    """hy_v4_vl's rule: fp32 math, both results in q's dtype."""
+    out_q, out_k = _fp32_interleaved(q, k.to(q.dtype), cos, sin, unsqueeze_dim)
+    return out_q, out_k
+
+
+def test_probe_finds_the_dtype_rule_for_mixed_query_and_key():
+    """A function that returns both results in q's dtype agrees with the per-input rule when q
+    and k share a dtype only: calls with two dtypes stay the original's."""
+    from mlarope.integrations.transformers import _probe
+
+    same = _probe.classify(_fp32_interleaved)
+    both_q = _probe.classify(_query_dtype_for_both)
+    assert same.mixed_dtypes and not both_q.mixed_dtypes, (same, both_q)
+    assert "q and k of one dtype" in both_q.describe()
+
+
+@pytest.mark.parametrize("family", PATCHED)
+def test_mixed_query_and_key_dtypes(family, device):
+    """A bf16 query beside an fp32 key, or the reverse (autocast around an indexer): each
+    patched function returns transformers' dtypes and its values within one rounding of the
+    result dtype (hy_v4_vl returns both in q's dtype, where a per-input rule kept k's)."""
+    fam = _patch.family(family)
+    module = importlib.import_module(fam.module)
+    gen = torch.Generator().manual_seed(7)
+    for name, mapping in fam.mappings.items():
+        original = getattr(module, name)
+        rope = 64
+        for q_dtype, k_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+            q = torch.randn(2, 3, 5, rope, generator=gen).to(q_dtype).to(device)
+            k = torch.randn(2, 1, 5, rope, generator=gen).to(k_dtype).to(device)
+            if mapping.complex_freqs:
+                angles = torch.rand(2, 5, rope // 2, generator=gen, dtype=torch.float64) * 6
+                tables = (torch.polar(torch.ones_like(angles), angles).to(torch.complex64),)
+            else:
+                angles = torch.rand(2, 5, rope, generator=gen, dtype=torch.float64) * 6
+                tables = (angles.cos().float(), angles.sin().float())
+            tables = tuple(t.to(device) for t in tables)
+            want = original(q, k, *tables)
+            with mt.mlarope_patched(family):
+                got = getattr(module, name)(q, k, *tables)
+            for g, w, what in zip(got, want, ("q", "k"), strict=True):
+                assert g.dtype == w.dtype, (name, q_dtype, k_dtype, what, g.dtype, w.dtype)
+                ulp = torch.finfo(w.dtype).eps * float(w.double().abs().max())
+                err = float((g.double() - w.double()).abs().max())
+                assert err <= 2 * ulp, (name, q_dtype, k_dtype, what, err, ulp)
+
+
 def test_a_changed_function_unpatches_its_family(device, monkeypatch):
     """A transformers release whose function is a partial rotation: the family is reported
     not patched with the reason, applying it raises and patches nothing, and patching every

@@ -176,6 +176,18 @@ def _classify(fn: Callable) -> Mapping | str:
             f"it matches ({best.describe()}) in float64, but its result dtype for bf16 q, k with "
             f"fp32 tables is neither bf16 nor fp32 ({error or dtypes})"
         )
+    # q and k of different dtypes (a bf16 query beside an fp32 key, as under autocast): the
+    # rule above must give each result's dtype, or such calls stay transformers'.
+    mixed_dtypes = True
+    for q_dtype, k_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        pair = [inputs[0].to(q_dtype), inputs[1].to(k_dtype), *mixed[2:]]
+        out, error = _run(fn, *pair)
+        got = None
+        if error is None and isinstance(out, (tuple, list)):
+            got = tuple(t.dtype for t in out)
+        promoted = (torch.float32, torch.float32)
+        want = (q_dtype, k_dtype) if result_dtype == "input" else promoted
+        mixed_dtypes = mixed_dtypes and got == want
     return Mapping(
         best.interleaved_in,
         best.interleaved_out,
@@ -183,6 +195,7 @@ def _classify(fn: Callable) -> Mapping | str:
         complex_freqs=best.complex_freqs,
         k_optional=k_optional,
         result_dtype=result_dtype,
+        mixed_dtypes=mixed_dtypes,
     )
 
 

@@ -46,6 +46,9 @@ class Mapping:
     # The result dtype: "promoted" = promote_types(x.dtype, table dtype) (computed in it),
     # "input" = x.dtype (computed in fp32 by transformers).
     result_dtype: str = "promoted"
+    # The rule above also holds when q and k differ in dtype (probed with bf16 / fp32 pairs);
+    # where it does not (hy_v4_vl returns both in q's dtype), such calls stay transformers'.
+    mixed_dtypes: bool = True
 
     def short(self) -> str:
         """``"interleaved -> half-split, first-half tables"``: the pair layouts and tables."""
@@ -69,6 +72,8 @@ class Mapping:
             tables = "full cos/sin"
         dtype = "x.dtype" if self.result_dtype == "input" else "promote(x, cos)"
         extra = ", k may be None" if self.k_optional else ""
+        if not self.mixed_dtypes:
+            extra += ", q and k of one dtype"
         return (
             f"{pairs(self.interleaved_in)} in, {pairs(self.interleaved_out)} out, {tables}, "
             f"result {dtype}{extra}"
@@ -89,10 +94,18 @@ def _token_dims(
 
 
 def _usable(
-    q: object, k: object, tables: tuple[object, ...], rope_dim: int, *, complex_ok: bool
+    q: object,
+    k: object,
+    tables: tuple[object, ...],
+    rope_dim: int,
+    *,
+    complex_ok: bool,
+    mixed_dtypes: bool = True,
 ) -> bool:
     xs = (q,) if k is None else (q, k)
     if not all(isinstance(t, torch.Tensor) for t in (*xs, *tables)):
+        return False
+    if not mixed_dtypes and k is not None and k.dtype != q.dtype:
         return False
     if any(x.dim() != 4 or x.dtype not in _REAL_DTYPES for x in xs):
         return False
@@ -175,7 +188,7 @@ def rotate_cos_sin(
     rope_dim = cos.shape[-1] if isinstance(cos, torch.Tensor) and cos.dim() > 0 else 0
     if k is None and not mapping.k_optional:
         return None
-    if not _usable(q, k, (cos, sin), rope_dim, complex_ok=False):
+    if not _usable(q, k, (cos, sin), rope_dim, complex_ok=False, mixed_dtypes=mapping.mixed_dtypes):
         return None
     if cos.shape != sin.shape or cos.dtype != sin.dtype:
         return None
@@ -201,7 +214,9 @@ def rotate_freqs_cis(
     if xk is None and not mapping.k_optional:
         return None
     rope_dim = 2 * freqs_cis.shape[-1] if freqs_cis.dim() > 0 else 0
-    if not _usable(xq, xk, (freqs_cis,), rope_dim, complex_ok=True):
+    if not _usable(
+        xq, xk, (freqs_cis,), rope_dim, complex_ok=True, mixed_dtypes=mapping.mixed_dtypes
+    ):
         return None
     dims = _token_dims(xq, xk, freqs_cis, 1)
     if dims is None:
