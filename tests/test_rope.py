@@ -215,6 +215,31 @@ def test_matches_transformers(kind):
             assert (err <= tol).all(), f"{kind} {seq_len} {name}: {(err / tol).max().item()}"
 
 
+@pytest.mark.parametrize("attribute", ["original_max_position_embeddings", "partial_rotary_factor"])
+def test_from_hf_reads_the_config_before_the_model_is_built(attribute):
+    """A config attribute that transformers moves into the rope parameters when the model is
+    built (a top-level ``original_max_position_embeddings``, which overrides the dict's for
+    yarn, as Phi-3's config files have it; a ``partial_rotary_factor``): ``from_hf`` on the
+    fresh config already gives the table the built model uses, and reading the config again
+    after the build gives the same (the config was read from its dict only, 1.08 relative
+    off in inv_freq, and a table twice as wide)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    config = hf_config("yarn")
+    if attribute == "original_max_position_embeddings":
+        config.original_max_position_embeddings = 2 * MAX_POS
+    else:
+        config.partial_rotary_factor = 0.5
+    before = RopeConfig.from_hf(config)
+    rotary = hf.DeepseekV3RotaryEmbedding(config)  # standardizes config.rope_parameters
+    after = RopeConfig.from_hf(config)
+    assert before == after
+    inv_hf = rotary.inv_freq.double()
+    assert inv_hf.shape == before.inv_freq().shape
+    rel = ((inv_hf - before.inv_freq()).abs() / before.inv_freq()).max()
+    assert rel < 1e-6, rel
+
+
 def test_dynamic_follows_transformers_state():
     """transformers' dynamic rotary keeps the largest length it has seen (past max positions)
     until a batch below max positions resets it: its table is ``cos_sin(..., seq_len=L)`` with

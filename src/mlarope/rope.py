@@ -404,7 +404,7 @@ def _read_hf(config: Any, layer_type: str | None) -> tuple[dict, float, int, int
             widths = per_layer[layer_type] if per_layer is not None else config
         except (KeyError, TypeError, ValueError):
             widths = config
-    params = dict(params)
+    params = _standardized(config, dict(params), nested=layer_type is not None)
     base = params.get("rope_theta", getattr(config, "rope_theta", None))
     if base is None:
         raise ValueError("config has no rope_theta (in rope_parameters or as an attribute)")
@@ -415,3 +415,23 @@ def _read_hf(config: Any, layer_type: str | None) -> tuple[dict, float, int, int
         raise TypeError(f"config's head_dim must be an int, got {head_dim!r}")
     max_pos = getattr(config, "max_position_embeddings", None)
     return params, base, int(head_dim), max_pos
+
+
+def _standardized(config: Any, params: dict, *, nested: bool) -> dict:
+    """``params`` (a copy) completed from the config's attributes as transformers' own
+    ``standardize_rope_params`` does before any table is built, so that a config read before
+    its model is built gives the model's tables: a ``partial_rotary_factor`` attribute fills a
+    missing key; for llama3, yarn and longrope an ``original_max_position_embeddings``
+    attribute (Phi-3's config files) overrides the dict's (in a dict nested by layer type it
+    only fills a missing one from ``max_position_embeddings``)."""
+    partial = getattr(config, "partial_rotary_factor", None)
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if kind in ("llama3", "yarn", "longrope"):
+        original = getattr(config, "original_max_position_embeddings", None)
+        if not nested and original is not None:
+            params["original_max_position_embeddings"] = original
+        elif getattr(config, "max_position_embeddings", None) is not None:
+            params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return params
