@@ -698,6 +698,36 @@ def test_mixed_query_and_key_dtypes(family, device):
                 assert err <= 2 * ulp, (name, q_dtype, k_dtype, what, err, ulp)
 
 
+def test_apply_over_another_librarys_wrapper_keeps_transformers_function():
+    """mlarope applied, then another library wraps the function: applying again leaves the
+    wrapper alone with a warning instead of wrapping it (which lost transformers' function:
+    revert then put the wrapper back and nothing could restore the original)."""
+    fam = _patch.family("minicpm3")
+    module = importlib.import_module(fam.module)
+    name = next(iter(fam.mappings))
+    transformers_fn = getattr(module, name)
+    mt.apply_mlarope("minicpm3")
+    ours = getattr(module, name)
+
+    def wrapper(q, k, cos, sin, *args, **kwargs):
+        return ours(q, k, cos, sin, *args, **kwargs)
+
+    setattr(module, name, wrapper)
+    try:
+        with pytest.warns(RuntimeWarning, match="replaced by something else"):
+            mt.apply_mlarope("minicpm3")
+        assert getattr(module, name) is wrapper
+        with pytest.warns(RuntimeWarning, match="replaced by something else"):
+            mt.revert_mlarope("minicpm3")
+        assert getattr(module, name) is wrapper
+        assert not [k for k in _patch._ACTIVE if k[0] == fam.module]
+    finally:
+        setattr(module, name, transformers_fn)
+    mt.apply_mlarope("minicpm3")  # a clean state patches and reverts as before
+    mt.revert_mlarope("minicpm3")
+    assert getattr(module, name) is transformers_fn
+
+
 def test_a_changed_function_unpatches_its_family(device, monkeypatch):
     """A transformers release whose function is a partial rotation: the family is reported
     not patched with the reason, applying it raises and patches nothing, and patching every

@@ -205,9 +205,20 @@ def patch(fam: Family) -> None:
     module = import_module(fam.module)
     new: dict[str, tuple[Callable, Callable]] = {}
     for name, mapping in fam.mappings.items():
-        if not _ours(module, name):
-            original = getattr(module, name)
-            new[name] = (original, make_replacement(original, mapping, name))
+        if _ours(module, name):
+            continue
+        if (module.__name__, name) in _ACTIVE:
+            # Ours was replaced by something else since (another library's wrapper, which may
+            # call ours): wrapping that again would lose transformers' function for revert.
+            warnings.warn(
+                f"{module.__name__}.{name} was replaced by something else after mlarope "
+                f"patched it; left as it is",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            continue
+        original = getattr(module, name)
+        new[name] = (original, make_replacement(original, mapping, name))
     for name, (original, replacement) in new.items():  # every one was classified: patch all
         _ACTIVE[(module.__name__, name)] = (original, replacement)
         setattr(module, name, replacement)
