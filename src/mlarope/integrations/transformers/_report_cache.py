@@ -49,8 +49,8 @@ def key(transformers_root: pathlib.Path) -> str:
         *transformers_root.glob("models/*/modeling_*.py"),
         *transformers_root.glob("models/*/configuration_*.py"),
         *transformers_root.glob("models/auto/*.py"),
-        *pathlib.Path(__file__).parent.glob("*.py"),
-        pathlib.Path(__file__).parents[2] / "__init__.py",  # mlarope's own version
+        # every module of mlarope: the probe runs the library's own ops and reference
+        *pathlib.Path(__file__).parents[2].rglob("*.py"),
     ]
     for path in sorted(files):
         try:
