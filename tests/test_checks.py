@@ -643,6 +643,87 @@ def test_inplace_on_a_broadcast_q_is_rejected():
     assert out.shape == q.shape
 
 
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+def test_inplace_on_overlapping_rows_is_rejected(backend, device, monkeypatch):
+    """Rows that overlap without a stride-0 dim (an ``as_strided`` view): a ValueError naming
+    q on every backend (both accepted it and wrote different values, up to 4.1 apart)."""
+    if backend == "reference":
+        if torch.device(device).type != "cpu":
+            pytest.skip("the reference backend runs CPU tensors")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cos, sin = torch.randn(16, 32, device=device), torch.randn(16, 32, device=device)
+    memory = torch.randn(400, device=device)
+    q = memory.as_strided((6, 1, 32), (16, 32, 1))
+    with pytest.raises(ValueError, match=r"q has elements that share memory.*overlapping rows"):
+        mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
+    # rows of a fused projection, apart: accepted
+    wide = torch.randn(6, 2, 3 * 48, device=device)[..., 48 : 2 * 48]
+    mlarope.apply_rope_q(wide, cos, sin, layout="thd", position_ids=torch.arange(6), inplace=True)
+
+
+@pytest.mark.parametrize("shared", ["cos", "sin", "position_ids"])
+def test_inplace_on_memory_the_call_reads_is_rejected(shared, device):
+    """q overlapping a table or the positions: the programs would read values others already
+    rotated (a silently wrong result, and a race on a GPU). A ValueError naming both, also when
+    the same metadata was recorded as a launch plan from a call without the overlap."""
+    T, R = 16, 32
+    ids = torch.arange(T - 1, -1, -1, device=device)
+
+    def call(q, cos, sin, position_ids):
+        return mlarope.apply_rope_q(
+            q, cos, sin, layout="thd", position_ids=position_ids, inplace=True
+        )
+
+    def tensors(overlap: bool):
+        # Every tensor a view of a [T, 2, R] block, so that both calls have one metadata.
+        memory = torch.randn(T, 2, R, device=device)
+        blocks = {name: torch.randn(T, 2, R, device=device) for name in ("cos", "sin", "ids")}
+        if overlap:
+            blocks[{"position_ids": "ids"}.get(shared, shared)] = memory
+        q = memory[:, :1]  # [T, 1, R]
+        position_ids = blocks["ids"].view(torch.int64)[:, 0, 0]  # the first 8 bytes of a row
+        position_ids.copy_(ids)
+        return q, blocks["cos"][:, 0], blocks["sin"][:, 0], position_ids
+
+    call(*tensors(False))
+    call(*tensors(False))  # recorded: a launch plan for this metadata
+    with pytest.raises(ValueError, match=f"q shares memory with {shared}"):
+        call(*tensors(True))
+
+
+def test_compiled_inplace_on_memory_the_call_reads_is_rejected():
+    """Under torch.compile(fullgraph=True) without grad (the in-place op itself runs in the
+    graph): the overlap is refused when the graph runs, since tracing sees no addresses."""
+    T, R = 16, 32
+    memory = torch.randn(T, 2, R)
+    q, cos, sin = memory[:, :1], memory[:, 0], torch.randn(T, R)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def rope(q, cos, sin):
+        return mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
+
+    with torch.no_grad(), pytest.raises(ValueError, match="q shares memory with cos"):
+        rope(q, cos, sin)
+
+
+def test_compiled_position_ids_of_a_dynamic_token_dim():
+    """Under torch.compile, once the token count is dynamic, position_ids of that count still
+    broadcast to it (a static 1 and a SymInt: ``s in (1, t)`` was False there and raised)."""
+    R = 32
+    cos, sin = torch.randn(64, R), torch.randn(64, R)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def rope(q, ids=None):
+        return mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids)
+
+    rope(torch.randn(8, 1, R))
+    rope(torch.randn(12, 1, R))  # the token dim becomes dynamic
+    q, ids = torch.randn(8, 1, R), torch.arange(8)
+    assert torch.equal(
+        rope(q, ids), mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids)
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernels", "reference"])
 def test_kv_backward_with_zero_heads(dtype, device):
     """With no heads ``k_pe`` reaches no output: its gradient is zero in every row, an

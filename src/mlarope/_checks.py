@@ -13,6 +13,7 @@ import os
 import torch
 from torch.autograd import forward_ad as _fwad
 
+from ._memory import refuse_overlap
 from .positions import Positions, token_positions
 
 LAYOUTS = ("sbhd", "bshd", "thd")
@@ -157,7 +158,9 @@ def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     which matters on the decode path)."""
     if len(shape) > len(target):
         return False
-    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
+    # ``s == 1 or s == t``, not ``s in (1, t)``: under Dynamo a static int is not ``in`` a
+    # tuple holding an equal SymInt, which rejected valid position_ids when compiling.
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target), strict=False))
 
 
 def check_positions(
@@ -232,28 +235,33 @@ def check_positions(
     return Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
 
 
-def check_inplace_target(name: str, x: torch.Tensor) -> None:
+def check_inplace_target(
+    name: str, x: torch.Tensor, reads: tuple[tuple[str, torch.Tensor | None], ...] = ()
+) -> None:
     """An in-place target must not have elements that share memory (a broadcast, stride-0
-    dim): two programs would rotate the same element, which is wrong and, on a GPU, a race.
-    Nor be an inference tensor outside inference mode, which PyTorch forbids writing to (the
-    kernels write through a raw pointer, so PyTorch's own check never runs: raise first)."""
-    if (
-        not torch.compiler.is_compiling()
-        and x.is_inference()
-        and not torch.is_inference_mode_enabled()
-    ):
+    dim, or rows that overlap): two programs would rotate the same element, which is wrong
+    and, on a GPU, a race. Nor overlap a tensor the call reads (``reads``: name, tensor), which
+    programs would read after others wrote it (``_memory.refuse_overlap``; while
+    ``torch.compile`` traces, only the stride-0 test: addresses are not traceable, and the
+    in-place op checks the rest when it runs). Nor be an inference tensor outside inference
+    mode, which PyTorch forbids writing to (the kernels write through a raw pointer, so
+    PyTorch's own check never runs: raise first)."""
+    if torch.compiler.is_compiling():
+        for size, stride in zip(x.shape, x.stride(), strict=True):
+            if size > 1 and stride == 0:
+                raise ValueError(
+                    f"{name} has elements that share memory (shape {tuple(x.shape)}, strides "
+                    f"{tuple(x.stride())}: a broadcast dim), so it cannot be rotated in place; "
+                    f"pass inplace=False or {name}.contiguous()"
+                )
+        return
+    if x.is_inference() and not torch.is_inference_mode_enabled():
         raise ValueError(
             f"{name} is an inference tensor (made under torch.inference_mode()), which cannot "
             f"be modified in place outside inference mode (PyTorch's rule); pass inplace=False, "
             f"call inside torch.inference_mode(), or pass {name}.clone()"
         )
-    for size, stride in zip(x.shape, x.stride(), strict=True):
-        if size > 1 and stride == 0:
-            raise ValueError(
-                f"{name} has elements that share memory (shape {tuple(x.shape)}, strides "
-                f"{tuple(x.stride())}: a broadcast dim), so it cannot be rotated in place; "
-                f"pass inplace=False or {name}.contiguous()"
-            )
+    refuse_overlap(name, x, reads)
 
 
 def check_tables_constant(cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -40,6 +40,7 @@ from torch.autograd import forward_ad as _fwad
 
 from ._checks import env_validation
 from ._launch_cache import LAUNCH_CACHE
+from ._memory import byte_span
 from .ops import use_triton
 
 if TYPE_CHECKING:  # kernels import triton, which stays unimported until a kernel is needed
@@ -69,20 +70,33 @@ _signature = tuple.__new__
 
 
 class Plan:
-    """The recorded launch of one call signature: ``plan(inputs)`` -> the list of outputs."""
+    """The recorded launch of one call signature: ``plan(inputs)`` -> the list of outputs, or
+    None where the call must take the pipeline (an in-place target that now overlaps an
+    input it reads: the guard sees each tensor's metadata, not where the tensors lie)."""
 
-    __slots__ = ("launch", "outputs", "slots", "template")
+    __slots__ = ("apart", "launch", "outputs", "slots", "template")
 
-    def __init__(self, launch: Launch, template: list, slots: tuple, outputs: tuple):
+    def __init__(
+        self, launch: Launch, template: list, slots: tuple, outputs: tuple, apart: tuple = ()
+    ):
         self.launch = launch
         self.template = template  # the launch arguments, tensors replaced by None
         self.slots = slots  # (argument index, index into inputs + outputs)
         self.outputs = outputs  # shapes of the outputs: contiguous, dtype and device of inputs[0]
+        # In place: the target's byte span and, per input it reads, (index, byte span).
+        self.apart = apart
 
-    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
         # Few Python objects per call: each one the cyclic GC tracks brings its next
         # collection closer (docs/benchmarks.md, host overhead).
         first = inputs[0]
+        if self.apart:
+            span, reads = self.apart
+            start = first.data_ptr()
+            for index, r_span in reads:
+                r_start = inputs[index].data_ptr()
+                if start < r_start + r_span and r_start < start + span:
+                    return None
         outs = [first.new_empty(shape) for shape in self.outputs]
         n_inputs = len(inputs)
         args = self.template.copy()
@@ -301,7 +315,11 @@ def _plan_from(inputs, outputs, launches) -> Plan | None:
         if source is None:
             return None
         slots.append((index, source))
-    return Plan(launch, template, tuple(slots), tuple(out_specs))
+    apart = ()
+    if not outputs:  # in place: inputs[0] is written, the other inputs are read
+        reads = tuple((j, byte_span(t)) for j, t in enumerate(inputs) if j and byte_span(t))
+        apart = (byte_span(inputs[0]), reads) if byte_span(inputs[0]) and reads else ()
+    return Plan(launch, template, tuple(slots), tuple(out_specs), apart)
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:

@@ -80,8 +80,8 @@ def apply_rope_q(
         interleaved_out, inverse, inplace, inplace_backward, validate,
     )  # fmt: skip
     plan = _plans.find(signature)
-    if plan is not None:  # a repeated eager call
-        outputs = plan(signature.tensors)
+    outputs = None if plan is None else plan(signature.tensors)  # a repeated eager call
+    if outputs is not None:
         if inplace:
             torch.autograd.graph.increment_version(q)
             return q
@@ -92,7 +92,11 @@ def apply_rope_q(
         interleaved, interleaved_out, inverse,
     )  # fmt: skip
     if _checks.check_bool("inplace", inplace):
-        _checks.check_inplace_target("q", q)
+        reads = (
+            ("cos", cos2d), ("sin", sin2d), ("position_ids", positions.position_ids),
+            ("cu_seqlens", positions.cu_seqlens),
+        )  # fmt: skip
+        _checks.check_inplace_target("q", q, reads)
     _checks.check_bool("inplace_backward", inplace_backward)
     if _checks.validation_requested(validate):
         _checks.check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from . import reference
+from ._memory import refuse_overlap
 from .positions import Positions
 
 
@@ -177,7 +178,13 @@ def rope_q(q: Tensor, call: QueryCall) -> Tensor:
 
 def rope_q_(q: Tensor, call: QueryCall) -> None:
     """In place: rotates the rope channels of ``q: [tokens..., H, N + R]``; nope untouched.
-    Autograd's version counter is the caller's to bump (the kernels write through a pointer)."""
+    Autograd's version counter is the caller's to bump (the kernels write through a pointer).
+    ``q`` must share no memory within itself or with what the call reads: checked here too,
+    since a compiled graph reaches this op with real tensors only when it runs."""
+    refuse_overlap(
+        "q", q, (("cos", call.cos), ("sin", call.sin), ("position_ids", call.position_ids),
+                 ("cu_seqlens", call.cu_seqlens)),
+    )  # fmt: skip
     if not use_triton(q):
         rope_dim = call.cos.shape[-1]
         rotated = rope_q(q, call)
