@@ -487,6 +487,37 @@ def test_torch_compile_fullgraph(device):
         assert torch.equal(e, c)
 
 
+def test_torch_compile_refuses_shared_memory(device):
+    """Under torch.compile(fullgraph=True), where tracing sees no addresses, a cache that holds
+    kv_c and an out that holds q_pe are still refused, when the graph runs (the eager checks
+    skip while tracing, and the compiled ops wrote through the overlap)."""
+    torch._dynamo.reset()
+    base = _append_args(device, cache_dtype=torch.uint8)
+    cache = torch.zeros(2, 4, L + R, dtype=torch.uint8, device=device)
+    kv_c = cache.view(-1)[: T * L * 2].view(torch.bfloat16).view(T, L)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def append(kv_c, cache):
+        serving.rope_append_kv_cache(
+            kv_c, base["k_pe"], base["cos"], base["sin"], base["positions"], cache,
+            base["slot_mapping"], cache_format="concat", kv_scale=0.05,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="cache and kv_c share memory"):
+        append(kv_c, cache)
+
+    q = _query_args(device)
+    out = torch.empty(T, H, 32 + R, dtype=torch.bfloat16, device=device)
+    q_pe = out[..., 32:]
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def query(q_pe, out):
+        serving.rope_decode_query(q["q_nope"], q_pe, q["cos"], q["sin"], q["positions"], out=out)
+
+    with pytest.raises(ValueError, match="out and q_pe share memory"):
+        query(q_pe, out)
+
+
 # ---------------------------------------------------------------------------- GPU: graphs
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["concat", "fp8_656"])

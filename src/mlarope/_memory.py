@@ -22,6 +22,17 @@ def byte_span(x: torch.Tensor) -> int:
     return elements * x.element_size()
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of ``a`` and ``b`` intersect (no device data read; False for a
+    tensor without elements or without storage)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = _address(a), _address(b)
+    if a0 is None or b0 is None:
+        return False
+    return a0 < b0 + byte_span(b) and b0 < a0 + byte_span(a)
+
+
 def elements_overlap(x: torch.Tensor) -> bool:
     """Whether two of ``x``'s elements may share memory: its dims of size > 1, by stride, must
     each step over everything the smaller ones span (a stride-0 dim never does). A few exotic
@@ -45,19 +56,27 @@ def refuse_overlap(
             f"{tuple(x.stride())}: a broadcast dim or overlapping rows), so it cannot be "
             f"rotated in place; pass inplace=False or {name}.contiguous()"
         )
-    span = byte_span(x)
-    start = _address(x)
-    if span == 0 or start is None:
-        return
     for other_name, other in reads:
-        if other is None or other.numel() == 0:
-            continue
-        o_start = _address(other)
-        if o_start is not None and start < o_start + byte_span(other) and o_start < start + span:
+        if other is not None and overlaps(x, other):
             raise ValueError(
                 f"{name} shares memory with {other_name}, which the call reads, so it cannot "
                 f"be rotated in place; pass inplace=False or {other_name}.clone()"
             )
+
+
+def refuse_shared(
+    written: tuple[tuple[str, torch.Tensor | None], ...],
+    read: tuple[tuple[str, torch.Tensor | None], ...],
+) -> None:
+    """Raise ``ValueError`` if a tensor the call writes overlaps one it reads (or another it
+    writes, when ``read`` lists it): the serving ops' rule for caches and ``out``."""
+    for w_name, w in written:
+        for r_name, r in read:
+            if w is not None and r is not None and w is not r and overlaps(w, r):
+                raise ValueError(
+                    f"{w_name} and {r_name} share memory; {w_name} is written while {r_name} is "
+                    f"read: pass separate tensors"
+                )
 
 
 def _address(x: torch.Tensor) -> int | None:

@@ -38,6 +38,7 @@ from torch.autograd import forward_ad as _fwad
 # Core import point (the plan cache's guard and device key, the one launch cache).
 from .._checks import env_validation
 from .._launch_cache import LAUNCH_CACHE
+from .._memory import byte_span
 from .._plans import _MAX_PER_KEY, _device_key, _guard
 
 MISSING = object()  # no recorded call matches (a recorded call without a plan gives None)
@@ -266,7 +267,7 @@ def _plan_from(tensors, value, launches, written, out) -> Plan | None:
         if out.stride() != tuple(torch.empty(out.shape, device="meta").stride()):
             return None
         alloc = (tuple(out.shape), out.dtype)
-    spans = [_span(t) for t in everything]
+    spans = [byte_span(t) for t in everything]
     # Each written tensor against every other tensor of the call (a new output excepted).
     apart = tuple(
         (w, spans[w], r, spans[r])
@@ -275,13 +276,6 @@ def _plan_from(tensors, value, launches, written, out) -> Plan | None:
         if r != w and not (r in written and r < w) and spans[r] and spans[w]
     )
     return Plan(launch, template, tuple(slots), tuple(views), scalar_index, alloc, apart)
-
-
-def _span(t: torch.Tensor) -> int:
-    if t.numel() == 0:
-        return 0
-    elements = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-    return elements * t.element_size()
 
 
 def _source_of(arg: torch.Tensor, tensors: tuple) -> int | None:

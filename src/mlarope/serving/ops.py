@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 # Core import point (the backend choice, the tables' common stride).
+from .._memory import refuse_shared
 from ..ops import _same_table_strides, use_triton
 from . import reference
 
@@ -24,7 +25,15 @@ def rope_append_kv_cache_impl(
     kpe_cache: Tensor | None, slot_mapping: Tensor, scale: Tensor | None, scale_value: float,
     cache_format: str, interleaved: bool, interleaved_out: bool,
 ) -> None:  # fmt: skip
-    """Write ``T`` tokens into a paged cache (a checked call: ``formats.AppendCall``'s fields)."""
+    """Write ``T`` tokens into a paged cache (a checked call: ``formats.AppendCall``'s fields).
+    No written tensor may overlap a read one: checked here too, since a compiled graph reaches
+    this op with real tensors only when it runs."""
+    written = (("cache", cache),) if kpe_cache is None else (("ckv", cache), ("kpe", kpe_cache))
+    refuse_shared(
+        written,
+        (("kv_c", kv_c), ("k_pe", k_pe), ("cos", cos), ("sin", sin), ("positions", positions),
+         ("slot_mapping", slot_mapping), ("kv_scale", scale), ("kpe", kpe_cache)),
+    )  # fmt: skip
     if not use_triton(kv_c):
         reference.append_kv_cache(
             kv_c, k_pe, cos, sin, positions, cache, kpe_cache, slot_mapping,
@@ -74,7 +83,12 @@ def rope_decode_query_out_impl(
     scale: Tensor | None, scale_value: float, interleaved: bool, interleaved_out: bool,
 ) -> None:  # fmt: skip
     """Write ``[q_nope | rotate(q_pe)]`` into ``out: [T, H, L + R]`` (its dtype: the inputs' or
-    FP8 e4m3)."""
+    FP8 e4m3). ``out`` may overlap no input: checked here too (compiled graphs, as above)."""
+    refuse_shared(
+        (("out", out),),
+        (("q_nope", q_nope), ("q_pe", q_pe), ("cos", cos), ("sin", sin),
+         ("positions", positions), ("q_scale", scale)),
+    )  # fmt: skip
     fp8 = out.dtype == torch.float8_e4m3fn
     if not use_triton(q_nope):
         result = reference.decode_query(
