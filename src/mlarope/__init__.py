@@ -6,6 +6,7 @@ Public API (docs/design.md, README.md):
 - :class:`YarnConfig`: RoPE / YaRN tables, exact to fp32 rounding;
 - :class:`RopeConfig`: the tables of every rope type transformers knows (``from_hf(config)``);
 - :func:`apply_rope_q`: rotate the rope tail of queries ``[..., H, N + R]``;
+- :func:`apply_rope_qk`: rotate two tensors of the same tokens (a rotary function's ``q, k``);
 - :func:`apply_rope_kv`: split ``kv`` and attach the rotated shared ``k_pe`` to every head;
 - :mod:`mlarope.reference`: the same semantics in plain PyTorch.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from . import reference
 from ._checks import ROPE_DIMS as SUPPORTED_ROPE_DIMS
-from .api import apply_rope_kv, apply_rope_q
+from .api import apply_rope_kv, apply_rope_q, apply_rope_qk
 from .rope import RopeConfig
 from .yarn import YarnConfig
 
@@ -25,6 +26,7 @@ __all__ = [
     "__version__",
     "apply_rope_kv",
     "apply_rope_q",
+    "apply_rope_qk",
     "reference",
 ]
 __version__ = "0.1.0"

@@ -427,6 +427,21 @@ def check_q_call(
     return q, cos2d, sin2d, positions
 
 
+def check_pair_key(k: object, q: torch.Tensor, layout: str, rope_dim: int) -> torch.Tensor:
+    """``k`` of ``apply_rope_qk``: a query-op input of ``q``'s tokens, device and rope width."""
+    k = check_activation("k", k, layout)
+    check_rope_width("k", k.shape[-1], rope_dim)
+    dims = token_dims(layout)
+    if k.shape[:dims] != q.shape[:dims]:
+        raise ValueError(
+            f"k must have q's token dims {tuple(q.shape[:dims])} (layout={layout!r}), got shape "
+            f"{tuple(k.shape)} (q shape {tuple(q.shape)})"
+        )
+    if k.device != q.device:
+        raise ValueError(f"k must be on q's device {q.device}, got {k.device}")
+    return k
+
+
 def check_kv_call(
     kv: object,
     k_pe: object,

@@ -32,7 +32,7 @@ always take the pipeline.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import is_grad_enabled as _is_grad_enabled
@@ -43,16 +43,13 @@ from ._launch_cache import LAUNCH_CACHE
 from ._memory import byte_span
 from .ops import use_triton
 
-if TYPE_CHECKING:  # kernels import triton, which stays unimported until a kernel is needed
-    from .kernels._launch import Launch
-
 try:
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except ImportError:  # pragma: no cover - present in every torch this package supports
     _TensorGuards = None
 
 _MAX_PER_KEY = 8  # guarded entries per key (same shape of the first tensor, other metadata)
-_MISSING = object()  # no recorded call matches (a recorded call without a plan gives None)
+MISSING = object()  # no recorded call matches (a recorded call without a plan gives None)
 
 
 class Signature(NamedTuple):
@@ -70,40 +67,106 @@ _signature = tuple.__new__
 
 
 class Plan:
-    """The recorded launch of one call signature: ``plan(inputs)`` -> the list of outputs, or
+    """The recorded launches of one call signature: ``plan(inputs)`` -> the list of outputs, or
     None where the call must take the pipeline (an in-place target that now overlaps an
     input it reads: the guard sees each tensor's metadata, not where the tensors lie)."""
 
-    __slots__ = ("apart", "launch", "outputs", "slots", "template")
+    __slots__ = ("apart", "launches", "outputs")
 
-    def __init__(
-        self, launch: Launch, template: list, slots: tuple, outputs: tuple, apart: tuple = ()
-    ):
-        self.launch = launch
-        self.template = template  # the launch arguments, tensors replaced by None
-        self.slots = slots  # (argument index, index into inputs + outputs)
+    def __init__(self, launches: tuple, outputs: tuple, apart: tuple = ()):
+        # ((launch, template, slots), ...) in launch order: the template holds the launch
+        # arguments with tensors replaced by None, slots (argument index, index into
+        # inputs + outputs).
+        self.launches = launches
         self.outputs = outputs  # shapes of the outputs: contiguous, dtype and device of inputs[0]
         # In place: the target's byte span and, per input it reads, (index, byte span).
         self.apart = apart
 
+    def fits(self, inputs: tuple[torch.Tensor, ...]) -> bool:
+        """Whether these tensors may take the recorded launches: an in-place target must lie
+        apart from what the call reads (its metadata matched, its address may not)."""
+        if not self.apart:
+            return True
+        span, reads = self.apart
+        start = inputs[0].data_ptr()
+        for index, r_span in reads:
+            r_start = inputs[index].data_ptr()
+            if start < r_start + r_span and r_start < start + span:
+                return False
+        return True
+
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
         # Few Python objects per call: each one the cyclic GC tracks brings its next
         # collection closer (docs/benchmarks.md, host overhead).
+        if self.apart and not self.fits(inputs):
+            return None
+        return self.run(inputs)
+
+    def run(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Allocate the outputs and make the launches (the caller checked :meth:`fits`)."""
         first = inputs[0]
-        if self.apart:
-            span, reads = self.apart
-            start = first.data_ptr()
-            for index, r_span in reads:
-                r_start = inputs[index].data_ptr()
-                if start < r_start + r_span and r_start < start + span:
-                    return None
         outs = [first.new_empty(shape) for shape in self.outputs]
         n_inputs = len(inputs)
-        args = self.template.copy()
-        for index, source in self.slots:
-            args[index] = inputs[source] if source < n_inputs else outs[source - n_inputs]
-        self.launch(args)
+        for launch, template, slots in self.launches:
+            args = template.copy()
+            for index, source in slots:
+                args[index] = inputs[source] if source < n_inputs else outs[source - n_inputs]
+            launch(args)
         return outs
+
+
+class GradPlan:
+    """An eager call that needs autograd, recorded: ``forward`` (a :class:`Plan`) is replayed
+    inside one autograd node (``autograd.replay``), whose backward replays the launches the
+    first backward of each gradient signature made (``backward``: key -> guarded entries of
+    ``(Plan or None, in_place)``; ``in_place``: the result is the incoming gradient, rotated
+    in place). ``op`` says what the node returns and differentiates: ``"q"`` (the query op),
+    ``"kv"`` (the key/value op), ``"qk"`` (two query-op tensors with one record); ``call`` is
+    the checked record without its tensors, which the replayed call's inputs provide."""
+
+    __slots__ = ("backward", "call", "forward", "inplace", "inplace_backward", "n_activations",
+                 "op")  # fmt: skip
+
+    def __init__(self, forward: Plan, replay: Replay):
+        self.forward = forward
+        self.op = replay.op
+        self.call = replay.call
+        self.inplace = replay.inplace
+        self.inplace_backward = replay.inplace_backward
+        self.n_activations = 1 if replay.op == "q" else 2
+        self.backward: dict[tuple, list] = {}
+
+    def find_backward(self, inputs: tuple[torch.Tensor, ...]):
+        """The entry ``(Plan or None, in_place)`` recorded for a backward on ``inputs`` (the
+        gradients, then the saved tensors), or ``MISSING``."""
+        key = _alignment(inputs)
+        for guard, entry in self.backward.get(key, ()):
+            if guard(*inputs):
+                return entry
+        return MISSING
+
+    def record_backward(self, inputs: tuple, results: tuple, launches: list) -> None:
+        """Note what a backward on ``inputs`` made: ``results`` (the gradients it returned) from
+        ``launches``. A result that is ``inputs[0]`` itself was rotated in place."""
+        key = _alignment(inputs)
+        if key is None:
+            return
+        in_place = any(r is inputs[0] for r in results)
+        outputs = () if in_place else results
+        plan = _plan_from(inputs, outputs, launches) if len(results) == self.n_activations else None
+        entries = self.backward.setdefault(key, [])
+        if len(entries) >= _MAX_PER_KEY:
+            del entries[0]
+        entries.append((_guard(inputs), (plan, in_place)))
+
+
+class Replay(NamedTuple):
+    """What a recorded call needing autograd replays besides its launches (:class:`GradPlan`)."""
+
+    op: str
+    call: object  # ops.QueryCall or ops.KVCall, its tensors None
+    inplace: bool = False
+    inplace_backward: bool = False
 
 
 def _plain_call(
@@ -132,7 +195,9 @@ def query_signature(
     interleaved_out, inverse, inplace, inplace_backward, validate,
 ) -> Signature | None:  # fmt: skip
     """The signature of an ``apply_rope_q`` call, or None if it cannot have a plan: only plain
-    eager calls get one (no validation, no autograd, no compile tracing; plain tensors)."""
+    eager calls get one (no validation, no compile tracing, no forward-mode AD or
+    ``torch.func`` transform; plain tensors). A call that needs autograd gets a
+    :class:`GradPlan`."""
     if (
         not _plain_call(
             layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
@@ -145,11 +210,11 @@ def query_signature(
     tensors = (q, cos, sin) if position_ids is None else (q, cos, sin, position_ids)
     alignment = _alignment(tensors)
     grad_mode = _is_grad_enabled()
-    if alignment is None or (q.requires_grad and grad_mode):
+    if alignment is None or (grad_mode and q.requires_grad and _transforms_active()):
         return None
     key = (
         "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace,
-        len(tensors), q.shape, alignment, _device_key(q), grad_mode,
+        inplace_backward, len(tensors), q.shape, alignment, _device_key(q), grad_mode,
     )  # fmt: skip
     return _signature(Signature, (key, tensors))
 
@@ -170,13 +235,45 @@ def kv_signature(
     tensors = (kv, k_pe, cos, sin) if position_ids is None else (kv, k_pe, cos, sin, position_ids)
     alignment = _alignment(tensors)
     grad_mode = _is_grad_enabled()
-    if alignment is None or ((kv.requires_grad or k_pe.requires_grad) and grad_mode):
+    if alignment is None or (
+        grad_mode and (kv.requires_grad or k_pe.requires_grad) and _transforms_active()
+    ):
         return None
     key = (
         "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v,
         len(tensors), kv.shape, alignment, _device_key(kv), grad_mode,
     )  # fmt: skip
     return _signature(Signature, (key, tensors))
+
+
+def pair_signature(
+    q, k, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+    interleaved_out, inverse, validate,
+) -> Signature | None:  # fmt: skip
+    """The signature of an ``apply_rope_qk`` call, or None if it cannot have a plan. A call
+    that needs autograd for one of ``q`` and ``k`` only takes the pipeline (its outputs'
+    ``requires_grad`` differ; one node would give both the same)."""
+    if not _plain_call(
+        layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
+    ) or (inverse is not True and inverse is not False):
+        return None
+    tensors = (q, k, cos, sin) if position_ids is None else (q, k, cos, sin, position_ids)
+    alignment = _alignment(tensors)
+    grad_mode = _is_grad_enabled()
+    if alignment is None or (
+        grad_mode
+        and (q.requires_grad or k.requires_grad)
+        and (q.requires_grad is not k.requires_grad or _transforms_active())
+    ):
+        return None
+    key = (
+        "qk", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, len(tensors),
+        q.shape, alignment, _device_key(q), grad_mode,
+    )  # fmt: skip
+    return _signature(Signature, (key, tensors))
+
+
+_transforms_active = torch._C._are_functorch_transforms_active  # torch.func: its own path
 
 
 def _alignment(tensors: tuple) -> int | None:
@@ -217,29 +314,33 @@ def find(signature: Signature | None) -> Plan | None:
 
 def _entry(signature: Signature):
     """The recorded entry matching ``signature``: a Plan, None (recorded without a plan), or
-    ``_MISSING``."""
+    ``MISSING``."""
     key, tensors = signature
     for guard, plan in LAUNCH_CACHE.plans.get(key, ()):
         if guard(*tensors):
             return plan
-    return _MISSING
+    return MISSING
 
 
-def recorder(signature: Signature | None, x: torch.Tensor) -> _Recorder:
+def recorder(
+    signature: Signature | None, x: torch.Tensor, replay: Replay | None = None
+) -> _Recorder:
     """``with recorder(signature, x) as record: ... record(outputs)``: note the launches the
     pipeline makes inside the block, and store the plan they give (or that they give none)
-    when the block ends without an exception. Nothing is noted for a call that cannot have a
+    when the block ends without an exception: a :class:`GradPlan` with ``replay`` (a call that
+    needs autograd), else a :class:`Plan`. Nothing is noted for a call that cannot have a
     plan (``signature`` None), one already recorded, or one that will launch no kernel (``x``,
     its first tensor, runs the PyTorch backend: triton stays unimported)."""
-    return _Recorder(signature, x)
+    return _Recorder(signature, x, replay)
 
 
 class _Recorder:
-    __slots__ = ("_launches", "_outputs", "_recording", "_signature")
+    __slots__ = ("_launches", "_outputs", "_recording", "_replay", "_signature")
 
-    def __init__(self, signature: Signature | None, x: torch.Tensor):
-        active = signature is not None and use_triton(x) and _entry(signature) is _MISSING
+    def __init__(self, signature: Signature | None, x: torch.Tensor, replay: Replay | None):
+        active = signature is not None and use_triton(x) and _entry(signature) is MISSING
         self._signature = signature if active else None
+        self._replay = replay
         self._outputs = None
         self._recording = None
 
@@ -264,6 +365,8 @@ class _Recorder:
             if len(entries) >= _MAX_PER_KEY:
                 del entries[0]
             plan = _plan_from(tensors, self._outputs, self._launches)
+            if plan is not None and self._replay is not None:
+                plan = GradPlan(plan, self._replay)
             entries.append((_guard(tensors), plan))
 
 
@@ -295,9 +398,8 @@ def _metadata(tensors) -> tuple:
 
 
 def _plan_from(inputs, outputs, launches) -> Plan | None:
-    if len(launches) != 1:
+    if not launches:
         return None
-    launch, args = launches[0]
     out_specs = []
     for out in outputs:
         # The plan allocates outputs with new_empty: the same strides (the kernel got them as
@@ -305,21 +407,24 @@ def _plan_from(inputs, outputs, launches) -> Plan | None:
         if out.stride() != _contiguous_strides(out.shape) or out.dtype != inputs[0].dtype:
             return None
         out_specs.append(tuple(out.shape))
-    template, slots = [], []
-    for index, arg in enumerate(args):
-        if not isinstance(arg, torch.Tensor):
-            template.append(arg)
-            continue
-        template.append(None)
-        source = _source_of(arg, inputs, outputs)
-        if source is None:
-            return None
-        slots.append((index, source))
+    recorded = []
+    for launch, args in launches:
+        template, slots = [], []
+        for index, arg in enumerate(args):
+            if not isinstance(arg, torch.Tensor):
+                template.append(arg)
+                continue
+            template.append(None)
+            source = _source_of(arg, inputs, outputs)
+            if source is None:
+                return None
+            slots.append((index, source))
+        recorded.append((launch, template, tuple(slots)))
     apart = ()
     if not outputs:  # in place: inputs[0] is written, the other inputs are read
         reads = tuple((j, byte_span(t)) for j, t in enumerate(inputs) if j and byte_span(t))
         apart = (byte_span(inputs[0]), reads) if byte_span(inputs[0]) and reads else ()
-    return Plan(launch, template, tuple(slots), tuple(out_specs), apart)
+    return Plan(tuple(recorded), tuple(out_specs), apart)
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:

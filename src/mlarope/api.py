@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _plans
-from .autograd import needs_autograd, rope_kv_differentiable, rope_q_differentiable
-from .ops import KVCall, QueryCall, rope_kv, rope_q, rope_q_
+from .autograd import needs_autograd, replay, rope_kv_differentiable, rope_q_differentiable
+from .ops import KVCall, QueryCall, rope_kv, rope_q, rope_q_, with_tensors
 
-__all__ = ["apply_rope_kv", "apply_rope_q"]
+__all__ = ["apply_rope_kv", "apply_rope_q", "apply_rope_qk"]
+
+_NO_TENSORS = (None,) * 5  # a record's tensors (ops.call_tensors), for a GradPlan
 
 
 def apply_rope_q(
@@ -80,12 +82,17 @@ def apply_rope_q(
         interleaved_out, inverse, inplace, inplace_backward, validate,
     )  # fmt: skip
     plan = _plans.find(signature)
-    outputs = None if plan is None else plan(signature.tensors)  # a repeated eager call
-    if outputs is not None:
-        if inplace:
-            torch.autograd.graph.increment_version(q)
-            return q
-        return outputs[0]
+    if plan is not None:  # a repeated eager call
+        if plan.__class__ is _plans.GradPlan:
+            if plan.forward.fits(signature.tensors):
+                return replay(plan, signature.tensors)
+        else:
+            outputs = plan(signature.tensors)
+            if outputs is not None:
+                if inplace:
+                    torch.autograd.graph.increment_version(q)
+                    return q
+                return outputs[0]
 
     q, cos2d, sin2d, positions = _checks.check_q_call(
         q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size,
@@ -105,7 +112,11 @@ def apply_rope_q(
         positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse, False,
     )  # fmt: skip
     if torch.compiler.is_compiling() or needs_autograd(q):
-        return rope_q_differentiable(q, call, inplace, inplace_backward)
+        grad_plan = _plans.Replay("q", with_tensors(call, _NO_TENSORS), inplace, inplace_backward)
+        with _plans.recorder(signature, q, grad_plan) as record:
+            out = rope_q_differentiable(q, call, inplace, inplace_backward)
+            record(() if inplace else (out,))
+        return out
     with _plans.recorder(signature, q) as record:
         if inplace:
             rope_q_(q, call)
@@ -160,6 +171,8 @@ def apply_rope_kv(
     )  # fmt: skip
     plan = _plans.find(signature)
     if plan is not None:  # a repeated eager call
+        if plan.__class__ is _plans.GradPlan:
+            return replay(plan, signature.tensors)
         outputs = plan(signature.tensors)
         return outputs[0], (outputs[1] if copy_v else kv[..., k_dim:])
 
@@ -175,11 +188,85 @@ def apply_rope_kv(
         positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v, False,
     )  # fmt: skip
     if torch.compiler.is_compiling() or needs_autograd(kv, k_pe):
-        return rope_kv_differentiable(kv, k_pe, call)
+        grad_plan = _plans.Replay("kv", with_tensors(call, _NO_TENSORS))
+        with _plans.recorder(signature, kv, grad_plan) as record:
+            k, v = rope_kv_differentiable(kv, k_pe, call)
+            record((k, v) if copy_v else (k,))
+        return k, v
     with _plans.recorder(signature, kv) as record:
         k, v = rope_kv(kv, k_pe, call)
         record((k, v) if copy_v else (k,))
     return k, (v if copy_v else kv[..., k_dim:])
+
+
+def apply_rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    layout: str = "sbhd",
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    interleaved: bool = True,
+    interleaved_out: bool = False,
+    inverse: bool = False,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate two tensors of the same tokens with the same tables and positions: the queries
+    and keys of one attention call (a transformers rotary function's ``q, k``).
+
+    The same as ``(apply_rope_q(q, cos, sin, **kwargs), apply_rope_q(k, cos, sin, **kwargs))``,
+    bit for bit and in every autograd and compile mode, out of place; a repeated eager call is
+    one autograd node (not two) whose forward and backward each make the two launches the
+    first such call recorded.
+
+    Args:
+        q: ``[S, B, Hq, Nq + R]`` (sbhd), ``[B, S, Hq, Nq + R]`` (bshd) or ``[T, Hq, Nq + R]``.
+        k: the same token dims as ``q``, any head count and nope width: ``[..., Hk, Nk + R]``.
+        cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+            interleaved_out, inverse, validate: as in :func:`apply_rope_q`, for both.
+
+    Returns:
+        ``(q', k')``: new tensors of ``q``'s and ``k``'s shapes.
+    """
+    signature = _plans.pair_signature(
+        q, k, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+        interleaved_out, inverse, validate,
+    )  # fmt: skip
+    plan = _plans.find(signature)
+    if plan is not None:  # a repeated eager call
+        if plan.__class__ is _plans.GradPlan:
+            return replay(plan, signature.tensors)
+        outputs = plan(signature.tensors)
+        return outputs[0], outputs[1]
+
+    q, cos2d, sin2d, positions = _checks.check_q_call(
+        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+        interleaved, interleaved_out, inverse,
+    )  # fmt: skip
+    k = _checks.check_pair_key(k, q, layout, cos2d.shape[-1])
+    if _checks.validation_requested(validate):
+        _checks.check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])
+    call = QueryCall(
+        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
+        positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse, False,
+    )  # fmt: skip
+    if torch.compiler.is_compiling() or needs_autograd(q) or needs_autograd(k):
+        grad_plan = _plans.Replay("qk", with_tensors(call, _NO_TENSORS))
+        with _plans.recorder(signature, q, grad_plan) as record:
+            outputs = (
+                rope_q_differentiable(q, call, False, False),
+                rope_q_differentiable(k, call, False, False),
+            )
+            record(outputs)
+        return outputs
+    with _plans.recorder(signature, q) as record:
+        outputs = (rope_q(q, call), rope_q(k, call))
+        record(outputs)
+    return outputs
 
 
 def _n_tokens(x: torch.Tensor) -> int:

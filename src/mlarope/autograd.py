@@ -36,6 +36,7 @@ from torch import Tensor
 from torch._C import _functorch
 from torch.autograd import forward_ad as _fwad
 
+from . import _plans
 from .ops import (
     KVCall,
     QueryCall,
@@ -171,12 +172,17 @@ _Q_NO_GRADS = (None,) * (_N_QUERY + 2)
 
 
 def _q_backward(ctx, grad):
-    grad = _ready(grad)
-    transposed = _saved(ctx).transposed()
-    if ctx.inplace_backward and _grad_rotatable_in_place(grad):
+    return (_q_gradient(_ready(grad), _saved(ctx), ctx.inplace_backward), *_Q_NO_GRADS)
+
+
+def _q_gradient(grad: Tensor, call: QueryCall, inplace_backward: bool) -> Tensor:
+    """``R^T grad`` (``grad`` ready for the kernels): in place given ``inplace_backward`` where
+    the gradient allows it, else a new tensor."""
+    transposed = call.transposed()
+    if inplace_backward and _grad_rotatable_in_place(grad):
         run_q_(grad, transposed)
-        return (grad, *_Q_NO_GRADS)
-    return (_apply_q(grad, transposed, False), *_Q_NO_GRADS)
+        return grad
+    return _apply_q(grad, transposed, False)
 
 
 def _q_jvp(ctx, tangent, *_):
@@ -373,3 +379,98 @@ def rope_kv_differentiable(kv: Tensor, k_pe: Tensor, call: KVCall) -> tuple[Tens
             return k, (v if call.copy_v else kv[..., call.k_dim :])
         return _KV.compiled.apply(kv, k_pe, *call_args(call))
     return _apply_kv(kv, k_pe, search_for_backward(kv, call))
+
+
+# ----------------------------------------------------------- replayed calls (_plans.GradPlan)
+class _Replayed(torch.autograd.Function):
+    """A recorded eager call that needs autograd (:class:`_plans.GradPlan`), replayed in one
+    node: the forward makes the recorded launches on the new tensors; the backward makes the
+    launches its first backward with the same gradient metadata made, or runs the op's own
+    backward (recording it) where there are none. Inputs: the plan, the activations, then the
+    tensors the record reads (``cos, sin[, position_ids]``, as the caller passed them)."""
+
+    @staticmethod
+    def forward(ctx, plan, *inputs):
+        outs = plan.forward.run(inputs)
+        n = plan.n_activations
+        ctx.plan = plan
+        ctx.save_for_backward(*inputs[n:])
+        op = plan.op
+        if op == "q":
+            if plan.inplace:
+                x = inputs[0]
+                torch.autograd.graph.increment_version(x)  # the kernel wrote through a pointer
+                ctx.mark_dirty(x)
+                return x
+            return outs[0]
+        if op == "kv":
+            ctx.k_pe_shape = inputs[1].shape
+            if plan.call.copy_v:
+                return outs[0], outs[1]
+            return outs[0], inputs[0][..., plan.call.k_dim :]
+        return outs[0], outs[1]  # "qk"
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan = ctx.plan
+        saved = ctx.saved_tensors
+        grads = tuple(_ready(g) for g in grads)
+        inputs = (*grads, *saved)
+        results = None
+        plain = not needs_autograd(*grads)  # else a double backward: the op's own, recorded
+        if plain:
+            entry = plan.find_backward(inputs)
+            if entry is not _plans.MISSING:
+                replay, in_place = entry
+                if replay is not None and replay.fits(inputs):
+                    outs = replay.run(inputs)
+                    if in_place:
+                        torch.autograd.graph.increment_version(grads[0])
+                        results = (grads[0],)
+                    else:
+                        results = tuple(outs)
+                plain = False  # recorded already: nothing to note
+        if results is None:
+            if plain:
+                from .kernels._launch import recording
+
+                with recording() as launches:
+                    results = _replayed_backward(plan, grads, saved)
+                plan.record_backward(inputs, results, launches)
+            else:
+                results = _replayed_backward(plan, grads, saved)
+        if plan.op == "kv":
+            results = (results[0], results[1].view(ctx.k_pe_shape))
+        return (None, *results, *(None,) * len(saved))
+
+
+def _replayed_backward(plan, grads: tuple, saved: tuple) -> tuple:
+    """The op's own backward for a replayed call: its record with the saved tensors, as the
+    pipeline made it (tables as ``[P, R]``, ``position_ids`` broadcast to the token dims)."""
+    cos, sin = saved[0], saved[1]
+    rows, rope_dim = cos.shape[0], cos.shape[-1]
+    position_ids = saved[2] if len(saved) > 2 else None
+    if position_ids is not None:
+        tokens = grads[0].shape[: grads[0].dim() - 2]
+        position_ids = position_ids.expand(tokens)
+    call = with_tensors(
+        plan.call, (cos.view(rows, rope_dim), sin.view(rows, rope_dim), None, position_ids, None)
+    )
+    if plan.op == "kv":
+        return _apply_kv_backward(grads[0], grads[1], call)
+    return tuple(_q_gradient(g, call, plan.inplace_backward) for g in grads)
+
+
+_apply_replayed = _Replayed.apply
+_function_base_apply = getattr(torch._C._FunctionBase, "apply", None)
+if _function_base_apply is not None:
+    # torch.autograd.Function.apply without its Python prologue: it checks for torch.func
+    # transforms and unwraps their dead wrappers, neither of which a replayed call can meet
+    # (the signature refuses an active transform and any tensor that is not plain).
+    _apply_replayed = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Replayed)
+
+
+def replay(plan: _plans.GradPlan, inputs: tuple):
+    """The result of a replayed call: what the pipeline's call returned (``q``'s rotation, or
+    ``q`` itself in place; ``(k, v)``; ``(q', k')``), through one autograd node."""
+    return _apply_replayed(plan, *inputs)
