@@ -76,15 +76,17 @@ def _unpatched():
 
 @pytest.fixture
 def rope_calls(monkeypatch):
-    """Count the calls that reach mlarope (so a silent fallback to transformers is visible)."""
+    """The shapes of the tensors that reach mlarope (so a silent fallback to transformers is
+    visible): ``apply_rope_q`` rotates one, ``apply_rope_qk`` two."""
     calls = []
-    real = mlarope.apply_rope_q
+    for name, tensors in (("apply_rope_q", 1), ("apply_rope_qk", 2)):
+        real = getattr(mlarope, name)
 
-    def counting(*args, **kwargs):
-        calls.append(tuple(args[0].shape))
-        return real(*args, **kwargs)
+        def counting(*args, _real=real, _tensors=tensors, **kwargs):
+            calls.extend(tuple(t.shape) for t in args[:_tensors])
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(mlarope, "apply_rope_q", counting)
+        monkeypatch.setattr(mlarope, name, counting)
     return calls
 
 

@@ -172,20 +172,22 @@ def run(model, ids, position_ids=None) -> dict[str, torch.Tensor]:
 
 class CallCounter:
     """Counts what the rotations of one run do: calls of a family's rotary functions (how many
-    tensors each rotates) and calls that reach ``mlarope.apply_rope_q``."""
+    tensors each rotates) and the tensors that reach ``mlarope.apply_rope_q`` (one a call) or
+    ``mlarope.apply_rope_qk`` (two)."""
 
     def __init__(self, monkeypatch, family: str):
         self.monkeypatch = monkeypatch
         self.module = importlib.import_module(_patch.family(family).module)
         self.names = list(_patch.family(family).mappings)
         self.rotated, self.mlarope = 0, 0
-        real = mlarope.apply_rope_q
+        for name, tensors in (("apply_rope_q", 1), ("apply_rope_qk", 2)):
+            real = getattr(mlarope, name)
 
-        def counting(*args, **kwargs):
-            self.mlarope += 1
-            return real(*args, **kwargs)
+            def counting(*args, _real=real, _tensors=tensors, **kwargs):
+                self.mlarope += _tensors
+                return _real(*args, **kwargs)
 
-        monkeypatch.setattr(mlarope, "apply_rope_q", counting)
+            monkeypatch.setattr(mlarope, name, counting)
 
     def expected(self, fn):
         """Run ``fn`` with the module's (unpatched) functions counting their tensors."""

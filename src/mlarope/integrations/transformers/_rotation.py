@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -127,32 +129,90 @@ def _usable(
     )
 
 
-def _rotate(
-    x: torch.Tensor,
-    heads_dim: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position_ids: torch.Tensor,
-    dtype: torch.dtype,
-    mapping: Mapping,
-) -> torch.Tensor:
-    """Rotate ``x: [B, H, S, R]`` (``heads_dim=1``) or ``[B, S, H, R]`` (2) -> the same shape."""
-    xb = x.transpose(1, 2) if heads_dim == 1 else x  # [B, S, H, R], a view
+def _bshd(x: torch.Tensor, heads_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``x: [B, H, S, R]`` (``heads_dim=1``) or ``[B, S, H, R]`` (2) as the ``[B, S, H, R]``
+    view mlarope rotates, in the result dtype, its last dim contiguous."""
+    xb = x.transpose(1, 2) if heads_dim == 1 else x
     if xb.dtype != dtype:
         xb = xb.to(dtype)
-    if xb.stride(-1) != 1:
-        xb = xb.contiguous()
-    out = mlarope.apply_rope_q(
-        xb, cos, sin, layout="bshd", position_ids=position_ids,
-        interleaved=mapping.interleaved_in, interleaved_out=mapping.interleaved_out,
-    )  # fmt: skip
-    return out.transpose(1, 2) if heads_dim == 1 else out
+    return xb if xb.stride(-1) == 1 else xb.contiguous()
 
 
 def _flat_table(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``[Bc, S, R]`` -> ``[Bc * S, R]`` with a contiguous last dim (a view when it can be)."""
     t = t.reshape(rows, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _first_halves(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``cat(t[..., :R/2], t[..., :R/2])`` as ``[rows, R]``: both halves get each pair's angle."""
+    half = t.shape[-1] // 2
+    t = t.reshape(rows, t.shape[-1])
+    return torch.cat((t[:, :half], t[:, :half]), dim=-1)
+
+
+def _make_tables(sources: tuple, rows: int, kind: str) -> tuple:
+    """``(cos, sin)`` as ``[rows, R]`` from a rotary function's tables (``sources``): ``"full"``
+    ``(cos, sin)`` as they are, ``"first_half"`` ``(cos, sin)`` whose first half holds each
+    pair's angle, ``"complex"`` DeepSeek-V2's ``(freqs_cis,)``."""
+    if kind == "complex":
+        (freqs_cis,) = sources
+        real, imag = freqs_cis.real, freqs_cis.imag
+        rope_dim = 2 * freqs_cis.shape[-1]
+        return (
+            torch.cat((real, real), dim=-1).reshape(rows, rope_dim),
+            torch.cat((imag, imag), dim=-1).reshape(rows, rope_dim),
+        )
+    cos, sin = sources
+    if kind == "first_half":
+        return _first_halves(cos, rows), _first_halves(sin, rows)
+    return _flat_table(cos, rows), _flat_table(sin, rows)
+
+
+class _Prepared:
+    """The tables of the last rotary call, made ready for mlarope (:func:`_make_tables`), and
+    reused while later calls pass the same table objects: every layer of one model forward
+    does (the rotary embedding runs once per forward), so the conversions (two concatenations
+    for first-half and complex tables) run once per forward, not once per layer. Weak
+    references to the tensors they were made from; a new version counter (an in-place write),
+    row count or kind makes them anew."""
+
+    __slots__ = ("key", "sources", "tables")
+
+    def __init__(self) -> None:
+        self.sources: tuple = ()
+        self.key = None
+        self.tables = None
+
+    def get(self, sources: tuple, rows: int, kind: str) -> tuple:
+        key = (*(t._version for t in sources), rows, kind)
+        if (
+            self.key == key
+            and len(self.sources) == len(sources)
+            and all(ref() is t for ref, t in zip(self.sources, sources, strict=True))
+        ):
+            return self.tables
+        self.tables = _make_tables(sources, rows, kind)
+        self.sources, self.key = tuple(weakref.ref(t) for t in sources), key
+        return self.tables
+
+
+_PREPARED = threading.local()
+
+
+def _tables(sources: tuple, rows: int, kind: str) -> tuple:
+    """A rotary function's tables (``[Bc, S, R]`` or complex ``[Bc, S, R / 2]``) -> the
+    ``[Bc * S, R]`` tables mlarope rotates by."""
+    if torch.compiler.is_compiling() or (
+        sources[0].is_cuda and torch.cuda.is_current_stream_capturing()
+    ):
+        # Compiled, the graph makes them; inside a CUDA graph, the graph's own (a kept table
+        # could be replaced, and freed, while the graph still reads it).
+        return _make_tables(sources, rows, kind)
+    prepared = getattr(_PREPARED, "last", None)
+    if prepared is None:
+        prepared = _PREPARED.last = _Prepared()
+    return prepared.get(sources, rows, kind)
 
 
 def _row_ids(batch_rows: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -171,13 +231,30 @@ def _both(
     heads_dim: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    ids: torch.Tensor,
+    batch_rows: int,
     table_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    q_out = _rotate(q, heads_dim, cos, sin, ids, _result_dtype(mapping, q, table_dtype), mapping)
+    """Rotate ``q`` and ``k`` by the flattened tables ``cos, sin: [Bc * S, R]``: with one row
+    per position (``Bc = 1``) a token's row is its sequence index, the bshd layout's own
+    position; with a row per batch entry and position, ``position_ids = b * S + s``."""
+    seq = q.shape[2 if heads_dim == 1 else 1]
+    ids = None if batch_rows == 1 else _row_ids(batch_rows, seq, q.device)
+    flags = dict(
+        layout="bshd", position_ids=ids, interleaved=mapping.interleaved_in,
+        interleaved_out=mapping.interleaved_out,
+    )  # fmt: skip
+    qb = _bshd(q, heads_dim, _result_dtype(mapping, q, table_dtype))
     if k is None:
-        return q_out, None
-    k_out = _rotate(k, heads_dim, cos, sin, ids, _result_dtype(mapping, k, table_dtype), mapping)
+        q_out = mlarope.apply_rope_q(qb, cos, sin, **flags)
+        return (q_out.transpose(1, 2) if heads_dim == 1 else q_out), None
+    kb = _bshd(k, heads_dim, _result_dtype(mapping, k, table_dtype))
+    if kb.dtype == qb.dtype:
+        q_out, k_out = mlarope.apply_rope_qk(qb, kb, cos, sin, **flags)
+    else:
+        q_out = mlarope.apply_rope_q(qb, cos, sin, **flags)
+        k_out = mlarope.apply_rope_q(kb, cos, sin, **flags)
+    if heads_dim == 1:
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
     return q_out, k_out
 
 
@@ -196,13 +273,9 @@ def rotate_cos_sin(
     if dims is None:
         return None
     batch_rows, seq = dims
-    cos2, sin2 = _flat_table(cos, batch_rows * seq), _flat_table(sin, batch_rows * seq)
-    if mapping.first_half_tables:  # each pair's angle is in the first half: both halves get it
-        half = rope_dim // 2
-        cos2 = torch.cat((cos2[:, :half], cos2[:, :half]), dim=-1)
-        sin2 = torch.cat((sin2[:, :half], sin2[:, :half]), dim=-1)
-    ids = _row_ids(batch_rows, seq, q.device)
-    return _both(mapping, q, k, heads_dim, cos2, sin2, ids, cos.dtype)
+    kind = "first_half" if mapping.first_half_tables else "full"
+    cos2, sin2 = _tables((cos, sin), batch_rows * seq, kind)
+    return _both(mapping, q, k, heads_dim, cos2, sin2, batch_rows, cos.dtype)
 
 
 def rotate_freqs_cis(
@@ -222,11 +295,8 @@ def rotate_freqs_cis(
     if dims is None:
         return None
     batch_rows, seq = dims
-    real, imag = freqs_cis.real, freqs_cis.imag
-    cos = torch.cat((real, real), dim=-1).reshape(batch_rows * seq, rope_dim)
-    sin = torch.cat((imag, imag), dim=-1).reshape(batch_rows * seq, rope_dim)
-    ids = _row_ids(batch_rows, seq, xq.device)
-    return _both(mapping, xq, xk, 1, cos, sin, ids, real.dtype)
+    cos, sin = _tables((freqs_cis,), batch_rows * seq, "complex")
+    return _both(mapping, xq, xk, 1, cos, sin, batch_rows, cos.dtype)
 
 
 def extra_args_reader(original: Callable) -> Callable[[tuple, dict], int | None]:
