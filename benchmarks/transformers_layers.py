@@ -1,27 +1,34 @@
-"""One real-size transformers MLA attention layer, unpatched and through mlarope, timed and checked.
+"""One real-size transformers MLA attention layer per family, unpatched and through mlarope.
 
-For each family (default: DeepSeek-V3, GLM-4.7-Flash = glm4_moe_lite, MiniCPM3), the attention
-layer transformers builds from the family's default config (the released model's widths: no
-download, random weights), bf16 on one GPU, batch 1, sequence 4096, sdpa attention, causal:
+For every patched family of the installed transformers (``--families all``, the default; or a
+list), the attention layer at the family's default config (the released model's widths: no
+download, random weights), bf16 on one device, batch 1, sdpa attention where the family has it
+(else eager), causal, at each ``--seq``:
 
+- the layer's inputs are the ones its model hands it: the model is built from the config with
+  only as many layers as reach its first MLA layer with a rotary embedding, its MLPs and experts
+  shrunk (they never run) and a small vocabulary, and a forward pre-hook on that attention layer
+  takes the arguments the model passes (hidden states, position embeddings, masks, position ids:
+  whatever the family passes) and stops the forward there;
 - forward, and a training step (forward + backward of every parameter and the input), timed with
   CUDA events (warm-up, then alternating blocks of unpatched and patched iterations, median per
   side), in one process;
-- checked: every rotation of the patched step goes through mlarope, and each tensor (output,
-  input gradient, every parameter gradient) of the patched bf16 step is as close to the same
-  layer run in fp32 (the same bf16-valued weights and input, unpatched) as the unpatched bf16
-  step is, by Frobenius norm: ``|patched - fp32| <= 1.25 max(|unpatched - fp32|,
+- checked: every rotation of the unpatched step reaches mlarope in the patched one, and each
+  tensor (output, input gradient, every parameter gradient) of the patched bf16 step is as close
+  to the same layer in fp32 (the same bf16-valued weights and input, unpatched) as the unpatched
+  bf16 step is, by Frobenius norm: ``|patched - fp32| <= 1.25 max(|unpatched - fp32|,
   |rounded once - fp32|)``, where "rounded once" is transformers' own rotary function computed
   in fp32 and rounded once (mlarope's error model, with transformers' code). Each run is the
   layer's bf16 noise, of the same size (mlarope rounds the rotation once, transformers three
   times); a wrong rotation puts the patched run O(1) away.
 
-Prints a markdown table (and writes it to ``--out``). Exit status 1 when a check fails.
+Targets (issue #23): the training step through mlarope at <= 0.98x unpatched at sequence 4096
+and <= 1.00x at 128. Prints a markdown table (and writes it to ``--out``); exit status 1 when a
+check fails or a family cannot be built.
 
-    PYTHONPATH=src python benchmarks/transformers_layers.py
-        [--families deepseek_v3,glm4_moe_lite,minicpm3] [--seq 4096] [--iters 10] [--rounds 3]
-        [--out FILE]
-    PYTHONPATH=src python benchmarks/transformers_layers.py --device cpu --tiny   # CPU smoke run
+    PYTHONPATH=src python -m benchmarks.transformers_layers [--families all|a,b]
+        [--seq 4096,128] [--iters 10] [--rounds 3] [--out FILE]
+    PYTHONPATH=src python -m benchmarks.transformers_layers --device cpu --tiny  # CPU smoke
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -41,68 +49,218 @@ import mlarope
 from mlarope.integrations import transformers as mt
 from mlarope.integrations.transformers import _patch
 
-FAMILIES = ("deepseek_v3", "glm4_moe_lite", "minicpm3")
 MODEL_NAMES = {
+    "deepseek_v2": "DeepSeek-V2",
     "deepseek_v3": "DeepSeek-V3",
+    "deepseek_v32": "DeepSeek-V3.2",
     "glm4_moe_lite": "GLM-4.7-Flash",
+    "longcat_flash": "LongCat-Flash",
     "minicpm3": "MiniCPM3-4B",
 }
 RATIO = 1.25
+TARGETS = {4096: 0.98, 128: 1.00}  # training step, mlarope / unpatched, by sequence length
+# Config fields that only size the MLPs and experts (they never run: the forward stops at the
+# attention layer), and the small widths --tiny gives the attention.
+SMALL_MLP = dict(
+    intermediate_size=32, moe_intermediate_size=32, ffn_hidden_size=32,
+    expert_ffn_hidden_size=32, n_routed_experts=4, num_local_experts=4, num_experts=4,
+    num_experts_per_tok=2, moe_topk=2, n_group=1, num_group=1, topk_group=1, n_shared_experts=1,
+    zero_expert_num=0,
+)  # fmt: skip
+TINY = dict(
+    hidden_size=256, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
+    kv_lora_rank=32, index_n_heads=2, swa_num_attention_heads=4, swa_num_key_value_heads=4,
+    swa_q_lora_rank=64, swa_kv_lora_rank=32, linear_num_heads=4,
+)  # fmt: skip
 
 
-def build(family: str, device: torch.device, tiny: bool):
-    """The family's attention layer and rotary embedding, from its default config."""
-    import transformers
+class _Stop(Exception):
+    """Raised by the pre-hook once it holds the attention layer's arguments."""
 
+
+def _config(family: str, layers: int, tiny: bool):
+    """The family's default config with ``layers`` layers, small MLPs (and widths if tiny)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = _build_model_type(family)
+    config_class = CONFIG_MAPPING[model_type]
+    default = config_class()
+    text = default.get_text_config()
+    n_layers = text.num_hidden_layers
+    fields = text.to_dict()
+    over = {"num_hidden_layers": layers, "use_cache": False}
+    if "num_layers" in fields and n_layers == 2 * fields["num_layers"]:  # longcat_flash
+        over = {"num_layers": max(layers // 2, 1), "use_cache": False}
+    for name, value in {**SMALL_MLP, **(TINY if tiny else {})}.items():
+        if fields.get(name) is not None or _attribute(text, name) is not None:
+            over[name] = value
+    if tiny and _attribute(text, "linear_head_dim") is not None:  # linear attention's width
+        over["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]
+    if "vocab_size" in fields:
+        specials = [fields.get(n) for n in ("pad_token_id", "bos_token_id", "eos_token_id")]
+        ids = [i for s in specials for i in (s if isinstance(s, list) else [s]) if i is not None]
+        over["vocab_size"] = max([256, *(i + 1 for i in ids)])
+    for name, value in fields.items():  # per-layer lists and maps, cut to the layers kept
+        if isinstance(value, list) and len(value) == n_layers:
+            over[name] = value[:layers]
+        elif isinstance(value, dict) and name == "per_layer_config":
+            over[name] = {i: v for i, v in value.items() if int(i) < layers}
+    if text is default:
+        return config_class(**over)
+    return config_class(text_config=over)
+
+
+def _attribute(config, name: str):
+    """``config.name`` (through its attribute map), or None (per-layer attributes too)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers' per-layer attributes refuse a global read
+        return None
+
+
+def _build_model_type(family: str) -> str:
+    row = {r.name: r for r in mt.family_report()}[family]
+    configs = _patch.discovery().config_classes
+    if row.runs_on is not None:
+        return row.name
+    return next(t for t in row.model_types if t in configs)
+
+
+def _model(config, device: torch.device):
+    from transformers import AutoModel
+
+    text = config.get_text_config()
+    for implementation in ("sdpa", "eager"):
+        text._attn_implementation = implementation
+        try:
+            with torch.device(device):
+                return AutoModel.from_config(text), implementation
+        except ValueError as exc:  # "does not support an attention implementation ..."
+            if "does not support" not in str(exc):
+                raise
+    raise RuntimeError("no attention implementation")
+
+
+def build(family: str, device: torch.device, seq: int, tiny: bool):
+    """``(config, attention, kwargs32, kwargs16, implementation)``: the family's first MLA
+    attention layer with a rotary embedding, in fp32 (``kwargs32``: the arguments its model
+    passes it for an fp32 input) and then in bf16 (``kwargs16``)."""
     row = {r.name: r for r in mt.family_report()}[family]
     module = importlib.import_module(row.module)
-    config_name = next(
-        c for t, c in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES.items()
-        if t == family
-    )  # fmt: skip
-    config = getattr(transformers, config_name)()
-    if tiny:
-        config.hidden_size, config.num_attention_heads = 64, 4
-        config.num_key_value_heads = 4
-        config.q_lora_rank, config.kv_lora_rank = 32, 16
-    config._attn_implementation = "sdpa"
-    attention = getattr(module, row.attention[0])(config, layer_idx=0)
-    rotary_names = [n for n in dir(module) if n.endswith("RotaryEmbedding")]
-    (rotary_name,) = rotary_names
-    rotary = getattr(module, rotary_name)(config)
+    classes = tuple(c for c in (getattr(module, n, None) for n in row.attention) if c)
+    model = found = None
+    for layers in (1, 2, 4, 8, 16):
+        config = _config(family, layers, tiny)
+        model, implementation = _model(config, device)
+        found = [
+            m for m in model.modules()
+            if isinstance(m, classes) and getattr(m, "qk_rope_head_dim", 1)
+        ]  # fmt: skip
+        if found:
+            break
+    if not found:
+        raise RuntimeError(f"no {row.attention} layer with a rotary embedding in 16 layers")
+    attention = found[0]
     torch.manual_seed(0)
+    text = config.get_text_config()
     with torch.no_grad():
         for p in attention.parameters():
             if p.dim() > 1:
-                torch.nn.init.normal_(p, std=config.initializer_range)
+                p.normal_(0.0, getattr(text, "initializer_range", 0.02))
             else:
                 p.normal_(1.0, 0.02)
-    attention.to(device=device, dtype=torch.bfloat16)
-    rotary.to(device=device)
-    return config, attention, rotary
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, seq, text.hidden_size, generator=gen).to(device)
+
+    def capture(model, dtype):
+        model.to(dtype)
+        got = {}
+
+        def hook(_module, args, kwargs):
+            # Detached (a tensor that required grad becomes a leaf that does): the model's
+            # graph up to here is freed with the aborted forward.
+            got.update({name: _detached(value) for name, value in kwargs.items()})
+            if args:
+                got["hidden_states"] = args[0]  # replaced by each step's input
+            raise _Stop
+
+        handle = attention.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            model.train()(inputs_embeds=x.to(dtype))
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+        return got
+
+    kwargs32 = capture(model, torch.float32)
+    exact = copy.deepcopy(attention)
+    kwargs16 = capture(model, torch.bfloat16)
+    return config, attention, exact, kwargs32, kwargs16, implementation
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    return value
+
+
+def _fresh(kwargs: dict, x: torch.Tensor) -> dict:
+    """The captured arguments with ``x`` as the hidden states; tensors that required grad in
+    the model (mistral_large4's tables, from a trainable rope parameter) as new leaves that
+    require grad, so each step differentiates them as the model would."""
+    out = {}
+    for name, value in kwargs.items():
+        if name == "hidden_states":
+            value = x
+        elif isinstance(value, torch.Tensor) and value.requires_grad:
+            value = value.detach().requires_grad_(True)
+        elif isinstance(value, tuple) and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in value
+        ):
+            value = tuple(
+                t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) else t for t in value
+            )
+        out[name] = value
+    return out
+
+
+def step(attention, kwargs, x, grad, *, backward: bool) -> dict[str, torch.Tensor]:
+    out = attention(**_fresh(kwargs, x))
+    out = out[0] if isinstance(out, tuple) else out
+    if not backward:
+        return {"output": out}
+    out.backward(grad)
+    result = {"output": out.detach(), "input gradient": x.grad}
+    result.update({n: p.grad for n, p in attention.named_parameters() if p.grad is not None})
+    return result
 
 
 @contextlib.contextmanager
 def emulated(family: str):
     """transformers' own rotary functions computed in fp32 and rounded once to their result
     dtype: mlarope's rounding with transformers' code, a second sample of the layer's bf16
-    noise next to the unpatched run (small tensors, such as a norm's weight gradient, can
-    happen to get a small error in one run)."""
+    noise next to the unpatched run."""
     fam = _patch.family(family)
     module = importlib.import_module(fam.module)
     saved = {name: getattr(module, name) for name in fam.mappings}
 
     def wrap(original, mapping):
-        def fn(q, k, cos, sin, *args, **kwargs):
-            up = [t if t is None else t.float() for t in (q, k, cos, sin)]
-            q_out, k_out = original(*up, *args, **kwargs)
+        def fn(q, k, *args, **kwargs):
+            def up(t):
+                if not isinstance(t, torch.Tensor):
+                    return t
+                return t.to(torch.complex64) if t.is_complex() else t.float()
+
+            table = args[0]
+            q_out, k_out = original(up(q), up(k), *map(up, args), **kwargs)
 
             def dtype(t):
-                return (
-                    t.dtype
-                    if mapping.result_dtype == "input"
-                    else torch.promote_types(t.dtype, cos.dtype)
-                )
+                if mapping.result_dtype == "input" or table.is_complex():
+                    return t.dtype
+                return torch.promote_types(t.dtype, table.dtype)
 
             return q_out.to(dtype(q)), None if k_out is None else k_out.to(dtype(k))
 
@@ -117,16 +275,58 @@ def emulated(family: str):
             setattr(module, name, fn)
 
 
-def step(attention, rotary, x, grad, *, backward: bool) -> dict[str, torch.Tensor]:
-    position_ids = torch.arange(x.shape[1], device=x.device)[None]
-    cos, sin = rotary(x, position_ids)
-    out, _ = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)
-    if not backward:
-        return {"output": out}
-    out.backward(grad)
-    result = {"output": out.detach(), "input gradient": x.grad}
-    result.update({n: p.grad for n, p in attention.named_parameters() if p.grad is not None})
-    return result
+class _Count:
+    """Tensors the family's rotary functions rotate (unpatched; ``trainable``: with tables
+    that require grad, which mlarope leaves to transformers) and tensors reaching mlarope."""
+
+    def __init__(self, family: str):
+        fam = _patch.family(family)
+        self.module = importlib.import_module(fam.module)
+        self.names = list(fam.mappings)
+        self.rotated = self.trainable = self.reached = 0
+
+    @contextlib.contextmanager
+    def unpatched(self):
+        saved = {n: getattr(self.module, n) for n in self.names}
+
+        def wrap(original):
+            def fn(q, k, *args, **kwargs):
+                n = 1 if k is None else 2
+                tables = [t for t in args[:2] if isinstance(t, torch.Tensor)]
+                if torch.is_grad_enabled() and any(t.requires_grad for t in tables):
+                    self.trainable += n
+                else:
+                    self.rotated += n
+                return original(q, k, *args, **kwargs)
+
+            return fn
+
+        for n, fn in saved.items():
+            setattr(self.module, n, wrap(fn))
+        try:
+            yield
+        finally:
+            for n, fn in saved.items():
+                setattr(self.module, n, fn)
+
+    @contextlib.contextmanager
+    def mlarope(self):
+        saved = {n: getattr(mlarope, n) for n in ("apply_rope_q", "apply_rope_qk")}
+
+        def wrap(original, tensors):
+            def fn(*args, **kwargs):
+                self.reached += tensors
+                return original(*args, **kwargs)
+
+            return fn
+
+        for name, tensors in (("apply_rope_q", 1), ("apply_rope_qk", 2)):
+            setattr(mlarope, name, wrap(saved[name], tensors))
+        try:
+            yield
+        finally:
+            for n, fn in saved.items():
+                setattr(mlarope, n, fn)
 
 
 def timed(fn, device: torch.device) -> float:
@@ -143,51 +343,44 @@ def timed(fn, device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def measure(family: str, args, device: torch.device) -> dict:
-    config, attention, rotary = build(family, device, args.tiny)
+def measure(family: str, seq: int, args, device: torch.device) -> dict:
+    config, attention, exact_layer, kwargs32, kwargs16, implementation = build(
+        family, device, seq, args.tiny
+    )
+    text = config.get_text_config()
     gen = torch.Generator().manual_seed(1)
-    x0 = torch.randn(1, args.seq, config.hidden_size, generator=gen).to(device, torch.bfloat16)
-    g0 = torch.randn(1, args.seq, config.hidden_size, generator=gen).to(device, torch.bfloat16)
+    x0 = torch.randn(1, seq, text.hidden_size, generator=gen).to(device, torch.bfloat16)
+    g0 = torch.randn(1, seq, text.hidden_size, generator=gen).to(device, torch.bfloat16)
 
     def run(backward: bool):
         x = x0.clone().requires_grad_(backward)
         attention.zero_grad(set_to_none=True)
         if backward:
-            return step(attention, rotary, x, g0, backward=True)
+            return step(attention, kwargs16, x, g0, backward=True)
         with torch.no_grad():
-            return step(attention, rotary, x, g0, backward=False)
+            return step(attention, kwargs16, x, g0, backward=False)
 
-    # the check: bf16 unpatched and patched against the same layer in fp32
-    exact_layer = copy.deepcopy(attention).float()
     x = x0.float().clone().requires_grad_(True)
     exact = {
-        k: v.double() for k, v in step(exact_layer, rotary, x, g0.float(), backward=True).items()
-    }
+        k: v.double()
+        for k, v in step(exact_layer, kwargs32, x, g0.float(), backward=True).items()
+    }  # fmt: skip
     del exact_layer, x
-    unpatched = {k: v.double() for k, v in run(True).items()}
+    count = _Count(family)
+    with count.unpatched():
+        unpatched = {k: v.double() for k, v in run(True).items()}
     with emulated(family):
         rounded_once = {k: v.double() for k, v in run(True).items()}
-    calls = []
-    real = mlarope.apply_rope_q
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    mlarope.apply_rope_q = counting
-    try:
-        with mt.mlarope_patched(family):
-            patched = {k: v.double() for k, v in run(True).items()}
-    finally:
-        mlarope.apply_rope_q = real
+    with mt.mlarope_patched(family), count.mlarope():
+        patched = {k: v.double() for k, v in run(True).items()}
     ratios = {}
     for name, want in exact.items():
         theirs = max(float((s[name] - want).norm()) for s in (unpatched, rounded_once))
         ours = float((patched[name] - want).norm())
         ratios[name] = ours / theirs if theirs > 0 else (0.0 if ours == 0 else float("inf"))
     worst = max(ratios, key=ratios.get)
-    ok = ratios[worst] <= RATIO and len(calls) == 2
-    del unpatched, patched, exact
+    ok = ratios[worst] <= RATIO and count.reached == count.rotated > 0
+    del unpatched, patched, exact, rounded_once
 
     times: dict[str, list[float]] = {"fwd": [], "fwd_patched": [], "step": [], "step_patched": []}
     for backward, key in ((False, "fwd"), (True, "step")):
@@ -204,19 +397,60 @@ def measure(family: str, args, device: torch.device) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "family": family,
-        "config": config,
+        "seq": seq,
+        "widths": (
+            f"{text.hidden_size}, {getattr(attention, 'num_heads', '?')}, "
+            f"{attention.qk_nope_head_dim}/{attention.qk_rope_head_dim}/{attention.v_head_dim}"
+        ),
+        "attention": implementation,
         "ratio": ratios[worst],
         "worst": worst,
-        "calls": len(calls),
+        "rotated": count.rotated,
+        "trainable": count.trainable,
+        "reached": count.reached,
         "ok": ok,
         **med,
     }
 
 
+def families(spec: str) -> list[str]:
+    patched = [r.name for r in mt.family_report() if r.status == "patched"]
+    if spec == "all":
+        return patched
+    chosen = spec.split(",")
+    unknown = [f for f in chosen if f not in patched]
+    if unknown:
+        raise SystemExit(f"--families: not patched families: {unknown} (patched: {patched})")
+    return chosen
+
+
+def row_text(r: dict) -> str:
+    name = MODEL_NAMES.get(r["family"], r["family"])
+    if "error" in r:
+        return f"| {name} ({r['family']}) | {r['seq']} | | | | | | | FAILED: {r['error']} |"
+    step_ratio = r["step_patched"] / r["step"]
+    target = TARGETS.get(r["seq"])
+    verdict = "" if target is None else (" PASS" if step_ratio <= target else " MISS")
+    trainable = (
+        f" ({r['trainable']} with trainable tables: transformers')" if r["trainable"] else ""
+    )
+    check = (
+        f"{'ok' if r['ok'] else 'FAILED'}: {r['reached']}/{r['rotated']} rotations through "
+        f"mlarope{trainable}, max |mlarope - fp32| / |transformers - fp32| = {r['ratio']:.3f} "
+        f"({r['worst']})"
+    )
+    return (
+        f"| {name} ({r['family']}) | {r['seq']} | {r['widths']} ({r['attention']}) "
+        f"| {r['fwd']:.2f} ms | {r['fwd_patched']:.2f} ms ({r['fwd_patched'] / r['fwd']:.3f}x) "
+        f"| {r['step']:.2f} ms | {r['step_patched']:.2f} ms ({step_ratio:.3f}x) "
+        f"| {'<= ' + format(target, '.2f') + 'x' if target else '-'}{verdict} | {check} |"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--families", default=",".join(FAMILIES))
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--families", default="all", help="'all' or a comma-separated list")
+    parser.add_argument("--seq", default="4096,128", help="sequence lengths, comma-separated")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per block")
     parser.add_argument("--rounds", type=int, default=3, help="alternating blocks per side")
     parser.add_argument("--warmup", type=int, default=3)
@@ -230,29 +464,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import transformers
 
-    rows = [measure(f, args, device) for f in args.families.split(",")]
+    rows = []
+    for family in families(args.families):
+        for seq in (int(s) for s in args.seq.split(",")):
+            try:
+                rows.append(measure(family, seq, args, device))
+            except Exception as exc:  # a family that cannot be built is a failed row
+                traceback.print_exc()
+                rows.append({"family": family, "seq": seq, "error": f"{type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:160]}", "ok": False})  # fmt: skip
+            print(row_text(rows[-1]), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     lines = [
         f"{what}; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"mlarope {mlarope.__version__}; bf16, batch 1, sequence {args.seq}, sdpa (causal); "
-        f"median of {args.rounds} x {args.iters} iterations per side, alternating blocks",
+        f"mlarope {mlarope.__version__}; bf16, batch 1, the family's attention (sdpa, else eager), "
+        f"causal; median of {args.rounds} x {args.iters} iterations per side, alternating blocks",
         "",
-        "| model (family) | hidden, heads, nope/rope/v | forward unpatched | forward mlarope "
-        "| training step unpatched | training step mlarope | check |",
-        "|---|---|---|---|---|---|---|",
+        "| model (family) | seq | hidden, heads, nope/rope/v (attention) | forward unpatched "
+        "| forward mlarope | training step unpatched | training step mlarope | target | check |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(row_text(r) for r in rows),
     ]
-    for r in rows:
-        c = r["config"]
-        check = (
-            f"{'ok' if r['ok'] else 'FAILED'}: {r['calls']} rotations through mlarope, "
-            f"max |mlarope - fp32| / |transformers - fp32| = {r['ratio']:.3f} ({r['worst']})"
-        )
-        lines.append(
-            f"| {MODEL_NAMES.get(r['family'], r['family'])} ({r['family']}) | {c.hidden_size}, "
-            f"{c.num_attention_heads}, {c.qk_nope_head_dim}/{c.qk_rope_head_dim}/{c.v_head_dim} "
-            f"| {r['fwd']:.2f} ms | {r['fwd_patched']:.2f} ms | {r['step']:.2f} ms "
-            f"| {r['step_patched']:.2f} ms | {check} |"
-        )
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -4,7 +4,7 @@
 #
 #   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
 #                                    [sweep] [sweep_base] [host] [decode] [megatron_tests]
-#                                    [transformers_layers] [serving]
+#                                    [transformers_layers] [host_grad] [serving]
 #   (default: the first six, in that order; sweep = benchmarks/sweep.py, the launch-config
 #   sweep; sweep_base = its heuristic rows for a package copy in .ab/base, an A/B baseline:
 #   copy another commit's src/mlarope there and carry .ab (the current benchmarks/sweep.py runs
@@ -12,10 +12,11 @@
 #   profile of one decode call, benchmarks/host_profile.py; decode = the benchmark's decode
 #   cases, ours only; megatron_tests = Megatron-LM's own MLA RoPE tests against mlarope and
 #   Megatron, scripts/megatron_tests.py, with a Megatron-LM checkout in $MEGATRON_LM or
-#   .megatron-lm; transformers_layers = one real-size attention layer of DeepSeek-V3,
-#   GLM-4.7-Flash and MiniCPM3 through transformers, unpatched and patched,
-#   benchmarks/transformers_layers.py; serving = mlarope.serving's GPU tests, then its
-#   benchmark, writing serving.json and serving.md)
+#   .megatron-lm; transformers_layers = one real-size attention layer of every patched
+#   transformers family, unpatched and patched, at sequences 4096 and 128,
+#   benchmarks/transformers_layers.py; host_grad = host time per call with gradients against
+#   transformers' own rotary functions, benchmarks/host_grad.py; serving = mlarope.serving's
+#   GPU tests, then its benchmark, writing serving.json and serving.md)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -94,11 +95,18 @@ for step in "${steps[@]}"; do
       timeout "${MEGATRON_SECONDS:-560}" python3 scripts/megatron_tests.py \
         --megatron "${MEGATRON_LM:-.megatron-lm}" --out "$OUT" ${MEGATRON_ARGS:-} 2>&1 | tail -90 ;;
     transformers_layers)
-      # One real-size transformers attention layer per family (bf16, sequence 4096, sdpa):
-      # forward and training step, unpatched and through mlarope, timed in one process and
-      # checked against the fp32 layer; one file, transformers_layers.md (docs/transformers.md).
-      timeout "${LAYERS_SECONDS:-300}" python3 benchmarks/transformers_layers.py \
-        --out "$OUT/transformers_layers.md" 2>&1 | tail -12 ;;
+      # One real-size transformers attention layer per patched family (bf16, sequences 4096
+      # and 128): forward and training step, unpatched and through mlarope, timed in one process
+      # and checked against the fp32 layer; one file, transformers_layers.md
+      # (docs/transformers.md). LAYERS_ARGS: more arguments, e.g. "--families minicpm3".
+      # shellcheck disable=SC2086
+      timeout "${LAYERS_SECONDS:-400}" python3 -m benchmarks.transformers_layers \
+        --out "$OUT/transformers_layers.md" ${LAYERS_ARGS:-} 2>&1 | grep -E "^\|" | tail -40 ;;
+    host_grad)
+      # Host time per call with gradients at tiny sizes: every family's rotary functions,
+      # transformers' against mlarope's, and the public ops (docs/perf_log.md).
+      timeout "${HOST_GRAD_SECONDS:-200}" python3 -m benchmarks.host_grad \
+        --out "$OUT/host_grad.md" 2>&1 | tail -60 ;;
     serving)
       # mlarope.serving (docs/serving.md): its tests on the GPU (summary only), then the
       # benchmark: prefill and decode per cache format, the unfused sequence, FlashInfer when it
