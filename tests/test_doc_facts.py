@@ -10,12 +10,14 @@ drops a fact fails here, and the test is updated with it.
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 
 import mlarope
+import mlarope.serving
 from mlarope import _launch_cache, rope, yarn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,3 +151,43 @@ def test_cache_sizes():
     ]
     keys = one(r"The cache keeps ([\d,]+) keys", doc("semantics.md"), "plans")[1]
     assert ints(keys) == [_launch_cache.MAX_ENTRIES]
+
+
+# -------------------------------------------------------------------------- the README's API table
+API_ROWS = {
+    "apply_rope_q": mlarope.apply_rope_q,
+    "apply_rope_kv": mlarope.apply_rope_kv,
+    "YarnConfig": mlarope.YarnConfig,
+    "mlarope.serving.rope_append_kv_cache": mlarope.serving.rope_append_kv_cache,
+    "mlarope.serving.rope_decode_query": mlarope.serving.rope_decode_query,
+}
+
+
+@pytest.mark.parametrize("call", list(API_ROWS))
+def test_api_table_shows_the_signature(call):
+    """The row's parameters are the function's, in order, with ``*`` where the keyword-only
+    ones start and each default as the code has it; ``...`` may stand for some."""
+    shown = one(r"^\| `" + re.escape(call) + r"\((.*?)\)`", README, call)[1].split(", ")
+    params = list(inspect.signature(API_ROWS[call]).parameters.values())
+    order = [p.name for p in params]
+    at, elided = 0, False
+    for item in shown:
+        if item == "...":
+            elided = True
+            continue
+        if item == "*":
+            first_kw = next(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+            assert order.index(first_kw) == at, f"{call}: '*' before {first_kw}"
+            continue
+        name, eq, value = item.partition("=")
+        assert name in order[at:], f"{call}: {name!r} is not the next parameter ({order[at:]})"
+        skipped = order[at : order.index(name)]
+        assert elided or not skipped, f"{call}: {skipped} left out without '...'"
+        param = params[order.index(name)]
+        if param.default is inspect.Parameter.empty:
+            assert not eq, f"{call}: {name} has no default, the row shows {item!r}"
+        else:
+            assert eq, f"{call}: {name} defaults to {param.default!r}, the row does not say so"
+            assert ast.literal_eval(value) == param.default, f"{call}: {item!r}"
+        at, elided = order.index(name) + 1, False
+    assert elided or at == len(order), f"{call}: {order[at:]} left out without '...'"
