@@ -191,3 +191,11 @@ def test_api_table_shows_the_signature(call):
             assert ast.literal_eval(value) == param.default, f"{call}: {item!r}"
         at, elided = order.index(name) + 1, False
     assert elided or at == len(order), f"{call}: {order[at:]} left out without '...'"
+
+
+# ---------------------------------------------------------------------- the README's install step
+def test_install_step_pins_the_cpu_lanes_torch():
+    pin = one(r'TORCH_PIN="torch==([\d.]+)"', (ROOT / "scripts" / "_env.sh").read_text(), "pin")[1]
+    assert one(r"\| torch \| ([\d.]+) \(CPU lanes\)", README, "versions")[1] == pin
+    install = README[README.index("## Install") : README.index("## Set-up")]
+    assert f"pip install torch=={pin}" in install
