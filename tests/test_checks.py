@@ -773,3 +773,21 @@ def test_tables_that_require_grad_work_without_grad_mode(op, table):
 
     with pytest.raises(ValueError, match=f"{table} requires grad"):
         reference.apply_rope_q(torch.randn(S, B, H, N + R), tables["cos"], tables["sin"])
+
+
+@pytest.mark.parametrize("op", ["q", "kv"])
+def test_a_thd_tensor_without_layout_is_told_the_default(op):
+    """sbhd is the default layout: a ``[T, H, D]`` tensor passed without ``layout`` is told so,
+    and which layouts take the other shapes."""
+    x, k_pe = act(op, (T,)), torch.randn(T, 1, R)
+    cos, sin = torch.randn(P, R), torch.randn(P, R)
+    with pytest.raises(ValueError) as info:
+        if op == "q":
+            mlarope.apply_rope_q(x, cos, sin)
+        else:
+            mlarope.apply_rope_kv(x, k_pe, cos, sin, k_dim=K)
+    message = str(info.value)
+    assert f"{op} must be 4-D [S, B, H, D] for layout='sbhd'" in message
+    assert "the default layout" in message
+    assert "layout='thd'" in message and "[T, H, D]" in message
+    assert "layout='bshd'" in message and f"got shape ({T}, {H}, {width(op)})" in message

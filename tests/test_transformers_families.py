@@ -815,8 +815,11 @@ def test_what_cannot_be_patched_says_why(device):
         mt.apply_mlarope("llama")
     with pytest.raises(ValueError, match="must name an MLA family"):
         mt.mlarope_patched("llama")
-    with pytest.raises(TypeError, match=r"target must be a torch\.nn\.Module.*got int"):
-        mt.apply_mlarope(3)
+    names = r"must be a family name or model type \(a str such as 'deepseek_v3'.*\) or a torch"
+    for what, select in (("target", mt.apply_mlarope), ("target", mt.revert_mlarope),
+                         ("model_type", mt.mlarope_patched)):  # fmt: skip
+        with pytest.raises(TypeError, match=rf"{what} {names}\.nn\.Module.*, got int"):
+            select(3)
     with pytest.raises(TypeError, match="pass the model once"):
         mt.mlarope_patched(torch.nn.Linear(2, 2), model=torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="has no MLA attention layer"):

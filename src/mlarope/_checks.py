@@ -146,8 +146,15 @@ def check_activation(name: str, x: object, layout: str) -> torch.Tensor:
         shape = (
             "[T, H, D]" if layout == "thd" else f"[{layout[0].upper()}, {layout[1].upper()}, H, D]"
         )
+        hint = (
+            " (the default layout; pass layout='thd' for [T, H, D] or layout='bshd' for "
+            "[B, S, H, D])"
+            if layout == "sbhd"
+            else ""
+        )
         raise ValueError(
-            f"{name} must be {want}-D {shape} for layout={layout!r}, got shape {tuple(x.shape)}"
+            f"{name} must be {want}-D {shape} for layout={layout!r}{hint}, got shape "
+            f"{tuple(x.shape)}"
         )
     check_last_dim_contiguous(name, x)
     return x

@@ -1,5 +1,7 @@
 """The serving ops in plain PyTorch: the spec the kernels match, the CPU backend, and the readers
-that dequantize a cache back (docs/serving.md).
+that dequantize a cache back (docs/serving.md). :func:`rope_append_kv_cache` and
+:func:`rope_decode_query` take the public calls' arguments and check them as those do;
+:func:`append_kv_cache` and :func:`decode_query` are the backend's forms (checked inputs).
 
 Every cache format is written by slot: slot ``s`` is entry ``s % block_size`` of block
 ``s // block_size``; a slot outside ``[0, num_blocks * block_size)`` (``-1``: padding) is not
@@ -302,3 +304,75 @@ def decode_query(
         out = torch.cat((quantize(q_nope, q_scale), quantize(rope, q_scale)), dim=-1)
         return out.view(torch.float8_e4m3fn)
     return torch.cat((q_nope.to(out_dtype), rope.to(out_dtype)), dim=-1)
+
+
+# ------------------------------------------------------------------ the public calls, in PyTorch
+def rope_append_kv_cache(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    *,
+    cache_format: str,
+    kv_scale: float | torch.Tensor | None = None,
+    interleaved: bool = True,
+    interleaved_out: bool = True,
+    validate: bool = False,
+) -> None:
+    """:func:`mlarope.serving.rope_append_kv_cache` in plain PyTorch: the same arguments, checks
+    and errors, written by :func:`append_kv_cache` (of two tokens with one slot, the later)."""
+    from .._checks import validation_requested
+    from . import formats  # formats imports this module
+
+    call = formats.check_append_call(
+        kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale,
+        interleaved, interleaved_out,
+    )  # fmt: skip
+    if validation_requested(validate):
+        formats.validate_append_on_device(call)
+    append_kv_cache(
+        call.kv_c, call.k_pe, call.cos, call.sin, call.positions, call.cache, call.kpe_cache,
+        call.slot_mapping, cache_format=call.cache_format,
+        kv_scale=call.scale if call.scale is not None else call.scale_value,
+        interleaved_in=call.interleaved, interleaved_out=call.interleaved_out,
+    )  # fmt: skip
+
+
+def rope_decode_query(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    q_scale: float | torch.Tensor | None = None,
+    interleaved: bool = True,
+    interleaved_out: bool = True,
+    validate: bool = False,
+) -> torch.Tensor:
+    """:func:`mlarope.serving.rope_decode_query` in plain PyTorch: the same arguments, checks,
+    errors and result (``out`` itself when given), computed by :func:`decode_query`."""
+    from .._checks import validation_requested
+    from . import formats
+
+    call = formats.check_query_call(
+        q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved, interleaved_out
+    )
+    if validation_requested(validate):
+        formats.validate_query_on_device(call)
+    result = decode_query(
+        call.q_nope, call.q_pe, call.cos, call.sin, call.positions,
+        out_dtype=torch.float8_e4m3fn if call.fp8 else call.q_nope.dtype,
+        q_scale=(call.scale if call.scale is not None else call.scale_value) if call.fp8 else None,
+        interleaved_in=call.interleaved, interleaved_out=call.interleaved_out,
+    )  # fmt: skip
+    if call.out is None:
+        return result
+    with torch.no_grad():
+        call.out.copy_(result)
+    return call.out

@@ -230,6 +230,12 @@ def _select(target: object, what: str) -> list[_patch.Family]:
     """A family name or model type -> that family; a model -> the families it contains."""
     if isinstance(target, str):
         return [_patch.family(target)]
+    if not isinstance(target, torch.nn.Module):
+        raise TypeError(
+            f"{what} must be a family name or model type (a str such as 'deepseek_v3'; "
+            f"SUPPORTED_MODEL_TYPES lists those mlarope patches) or a torch.nn.Module (a "
+            f"transformers model with an MLA attention), got {type(target).__name__}"
+        )
     model = _patch.check_model_type(target, what)
     fams = _patch.families_of(model)
     if not fams:
