@@ -1,8 +1,14 @@
-"""The serving ops' memory rule (``mlarope._memory``) is about elements, not byte spans: the
-layouts engines pass are accepted and written exactly as with separate tensors, disjoint
-column views of one buffer (SGLang's FlashInfer MLA backend slices ``ckv`` and ``kpe`` out of
-one ``[pages, page_size, 576]`` buffer; a decode ``out`` beside ``q_pe``), also when a plan
-replays the call, while the same metadata one column closer is refused.
+"""The serving ops' memory rule (``mlarope._memory``): nothing written may share an element with
+anything read or with another written tensor, and the rule is about elements, not byte spans.
+
+- Refused on every backend, eager and on a repeated call's plan: one tensor for both parts of
+  a split cache (the rotated ``k_pe`` overwrote the latent), caches and outputs whose elements
+  share memory or that hold what the call reads; the errors name the tensors and never point
+  at an ``inplace`` switch the serving ops do not have.
+- Accepted, and written exactly as with separate tensors: the layouts engines pass, disjoint
+  column views of one buffer (SGLang's FlashInfer MLA backend slices ``ckv`` and ``kpe`` out of
+  one ``[pages, page_size, 576]`` buffer; a decode ``out`` beside ``q_pe``), also when a plan
+  replays the call, while the same metadata one column closer is refused.
 """
 
 from __future__ import annotations
@@ -52,6 +58,65 @@ def _append_split(device, ckv, kpe, seed=0, **kw):
 
 def _split_buffer(device, latent=L):
     return torch.zeros(2, 4, latent + R, dtype=torch.bfloat16, device=device)
+
+
+# ------------------------------------------------------------------ 1. misuse that is refused
+def test_one_tensor_for_both_parts_of_a_split_cache_is_refused(backend, device):
+    """``(c, c)`` with L == R passed every check, and the rotated ``k_pe`` overwrote the latent;
+    two views of one storage were refused, so the rule was inconsistent too. Refused, naming
+    both, with nothing written, also after a plan was recorded for that metadata."""
+    for recorded in (False, True):
+        if recorded:  # the same metadata, distinct tensors: a plan
+            _append_split(device, *_split_buffer(device, R).split(R, dim=2))
+            _append_split(device, *_split_buffer(device, R).split(R, dim=2))
+            assert backend == "reference" or _plan_recorded()
+        c = torch.zeros(2, 4, R, dtype=torch.bfloat16, device=device)
+        with pytest.raises(ValueError, match=r"ckv \(cache\[0\]\) and kpe \(cache\[1\]\) are one"):
+            _append_split(device, c, c)
+        assert not c.any()
+
+
+def test_written_tensors_whose_elements_share_memory_are_refused_without_inplace():
+    """A broadcast cache or ``out``, an ``as_strided`` cache whose rows overlap, an inference
+    cache: refused with the serving ops' own remedy; the messages said "pass inplace=False", an
+    argument these ops do not have (the core's in-place message, which stays the core's)."""
+    kv_c, k_pe, cos, sin, positions, slots = _inputs("cpu")
+    broadcast = torch.zeros(1, 1, L + R, dtype=torch.bfloat16).expand(2, 4, L + R)
+    rows = torch.zeros(4 * (L + R) * 2, dtype=torch.bfloat16).as_strided((2, 4, L + R), (L, 8, 1))
+    with torch.inference_mode():
+        inference = torch.zeros(2, 4, L + R, dtype=torch.bfloat16)
+    cases = [
+        (broadcast, "cache has elements that share memory (shape (2, 4, 576), strides (0, 0, 1)"),
+        (rows, "cache has elements that share memory"),
+        (inference, "cache is an inference tensor"),
+        ((broadcast[..., :L], broadcast[..., L:]), "ckv (cache[0]) has elements that share"),
+    ]
+    for cache, message in cases:
+        fmt = "split" if isinstance(cache, tuple) else "concat"
+        with pytest.raises(ValueError) as error:
+            serving.rope_append_kv_cache(
+                kv_c, k_pe, cos, sin, positions, cache, slots, cache_format=fmt
+            )
+        assert message in str(error.value)
+        assert "inplace" not in str(error.value), str(error.value)
+    q_nope = torch.randn(T, H, 32, dtype=torch.bfloat16)
+    q_pe = torch.randn(T, H, R, dtype=torch.bfloat16)
+    buffer = torch.zeros(T, H, 32 + 2 * R, dtype=torch.bfloat16)
+    outs = [
+        (torch.zeros(1, H, 32 + R, dtype=torch.bfloat16).expand(T, H, 32 + R), q_pe, "out has"),
+        (buffer[..., : 32 + R], buffer[..., 32 : 32 + R], "out and q_pe share memory"),
+    ]
+    for out, pe, message in outs:
+        with pytest.raises(ValueError) as error:
+            serving.rope_decode_query(q_nope, pe, cos, sin, positions, out=out)
+        assert message in str(error.value)
+        assert "inplace" not in str(error.value), str(error.value)
+    # the core's in-place rule keeps its remedy, which its ops do have
+    import mlarope
+
+    q = torch.randn(1, 2, 16 + R).expand(4, 2, 16 + R)
+    with pytest.raises(ValueError, match="pass inplace=False"):
+        mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=positions, inplace=True)
 
 
 # ------------------------------------------------------- 2. layouts real engines pass: accepted

@@ -264,15 +264,41 @@ def refuse_shared(
     written: tuple[tuple[str, torch.Tensor | None], ...],
     read: tuple[tuple[str, torch.Tensor | None], ...],
 ) -> None:
-    """Raise ``ValueError`` if a tensor the call writes overlaps one it reads (or another it
-    writes, when ``read`` lists it): the serving ops' rule for caches and ``out``."""
-    for w_name, w in written:
+    """Raise ``ValueError`` if a tensor the call writes has an element in common with one it
+    reads, or with another it writes (one tensor passed for two written arguments included):
+    the serving ops' rule for caches and ``out`` (:func:`refuse_written_overlap` is the rule
+    within one written tensor)."""
+    for i, (w_name, w) in enumerate(written):
+        if w is None:
+            continue
+        for other_name, other in written[i + 1 :]:
+            if other is not None and overlaps(w, other):
+                what = "are one tensor" if other is w else "share memory"
+                raise ValueError(
+                    f"{w_name} and {other_name} {what}; both are written, so one would "
+                    f"overwrite the other: pass separate tensors (disjoint views of one buffer "
+                    f"are fine)"
+                )
         for r_name, r in read:
-            if w is not None and r is not None and w is not r and overlaps(w, r):
+            if r is not None and overlaps(w, r):
                 raise ValueError(
                     f"{w_name} and {r_name} share memory; {w_name} is written while {r_name} is "
                     f"read: pass separate tensors"
                 )
+
+
+def refuse_written_overlap(name: str, x: torch.Tensor, *, broadcast: bool = False) -> None:
+    """Raise ``ValueError`` if ``x``, which a serving op writes, has elements that share memory
+    (a broadcast or overlapping ``as_strided`` view: two entries would land on one address);
+    ``broadcast=True``: the caller found a stride-0 dim (while tracing, where the strides may
+    be symbolic and are not compared here)."""
+    if broadcast or elements_overlap(x):
+        raise ValueError(
+            f"{name} has elements that share memory (shape {tuple(x.shape)}, strides "
+            f"{tuple(x.stride())}: a broadcast dim or overlapping rows), so entries written to "
+            f"it would overwrite each other; pass a tensor of its own memory (torch.empty or "
+            f"torch.zeros of that shape)"
+        )
 
 
 def _address(x: torch.Tensor) -> int | None:

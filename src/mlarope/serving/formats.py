@@ -27,13 +27,12 @@ import torch
 # Core import point (the library's checks and error messages).
 from .._checks import (
     check_bool,
-    check_inplace_target,
     check_last_dim_contiguous,
     check_tables,
     check_tables_constant,
     check_tensor,
 )
-from .._memory import refuse_shared
+from .._memory import refuse_shared, refuse_written_overlap
 from .reference import FP8_656_BYTES, FP8_656_LATENT, FP8_656_ROPE
 
 CACHE_FORMATS = ("concat", "split", "fp8_656")
@@ -184,8 +183,27 @@ def _check_cache_tensor(name: str, t: object, device: torch.device) -> torch.Ten
     if t.device != device:
         raise ValueError(f"{name} must be on the inputs' device {device}, got {t.device}")
     check_last_dim_contiguous(name, t)
-    check_inplace_target(name, t)
+    _check_written(name, t)
     return t
+
+
+def _check_written(name: str, t: torch.Tensor) -> None:
+    """A tensor the op writes (a cache, ``out``): each element its own memory, and not an
+    inference tensor outside inference mode (PyTorch forbids writing to one; the kernels write
+    through a pointer, so PyTorch's own check never runs). While ``torch.compile`` traces,
+    only a stride-0 dim is looked for (strides may be symbolic)."""
+    if torch.compiler.is_compiling():
+        for size, stride in zip(t.shape, t.stride(), strict=True):
+            if size > 1 and stride == 0:
+                refuse_written_overlap(name, t, broadcast=True)
+        return
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            f"{name} is an inference tensor (made under torch.inference_mode()), which cannot "
+            f"be written outside inference mode (PyTorch's rule): call inside "
+            f"torch.inference_mode(), or allocate {name} outside it"
+        )
+    refuse_written_overlap(name, t)
 
 
 def _check_cache_dtype(name: str, t: torch.Tensor, kv_c: torch.Tensor) -> bool:
@@ -289,7 +307,6 @@ def check_append_call(
                 f"ckv and kpe (cache) must share a dtype, got {ckv.dtype} and {kpe.dtype}"
             )
         fp8 = _check_cache_dtype("ckv (cache[0])", ckv, kv_c)
-        _check_apart((("ckv (cache[0])", ckv),), (("kpe (cache[1])", kpe),))
         cache, kpe_cache = ckv, kpe
         why_not = f"for a {ckv.dtype} cache (only FP8 caches are scaled)"
     if fp8:
@@ -299,7 +316,10 @@ def check_append_call(
         ("kv_c", kv_c), ("k_pe", k_pe), ("cos", cos2d), ("sin", sin2d), ("positions", positions),
         ("slot_mapping", slot_mapping), ("kv_scale", scale),
     )  # fmt: skip
-    written = (("cache", cache),) if kpe_cache is None else (("ckv", cache), ("kpe", kpe_cache))
+    written = (
+        (("cache", cache),) if kpe_cache is None
+        else (("ckv (cache[0])", cache), ("kpe (cache[1])", kpe_cache))
+    )  # fmt: skip
     _check_apart(written, inputs)
     return AppendCall(
         kv_c, k_pe, cos2d, sin2d, positions, cache, kpe_cache, slot_mapping, scale, scale_value,
@@ -434,7 +454,7 @@ def check_query_call(
             raise TypeError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
         out_dtype = out.dtype
         check_last_dim_contiguous("out", out)
-        check_inplace_target("out", out)
+        _check_written("out", out)
     out_dtype = q_nope.dtype if out_dtype is None else out_dtype
     if out_dtype not in allowed:
         raise TypeError(

@@ -26,13 +26,17 @@ def rope_append_kv_cache_impl(
     cache_format: str, interleaved: bool, interleaved_out: bool,
 ) -> None:  # fmt: skip
     """Write ``T`` tokens into a paged cache (a checked call: ``formats.AppendCall``'s fields).
-    No written tensor may overlap a read one: checked here too, since a compiled graph reaches
-    this op with real tensors only when it runs."""
-    written = (("cache", cache),) if kpe_cache is None else (("ckv", cache), ("kpe", kpe_cache))
+    No written tensor may have an element in common with a read one or with the other written
+    one: checked here too, since a compiled graph reaches this op with real tensors only when
+    it runs."""
+    written = (
+        (("cache", cache),) if kpe_cache is None
+        else (("ckv (cache[0])", cache), ("kpe (cache[1])", kpe_cache))
+    )  # fmt: skip
     refuse_shared(
         written,
         (("kv_c", kv_c), ("k_pe", k_pe), ("cos", cos), ("sin", sin), ("positions", positions),
-         ("slot_mapping", slot_mapping), ("kv_scale", scale), ("kpe", kpe_cache)),
+         ("slot_mapping", slot_mapping), ("kv_scale", scale)),
     )  # fmt: skip
     if not use_triton(kv_c):
         reference.append_kv_cache(
