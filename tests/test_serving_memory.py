@@ -1,10 +1,11 @@
 """The serving ops' memory rule (``mlarope._memory``): nothing written may share an element with
 anything read or with another written tensor, and the rule is about elements, not byte spans.
 
-- Refused on every backend, eager and on a repeated call's plan: one tensor for both parts of
-  a split cache (the rotated ``k_pe`` overwrote the latent), caches and outputs whose elements
-  share memory or that hold what the call reads; the errors name the tensors and never point
-  at an ``inplace`` switch the serving ops do not have.
+- Refused on every backend, eager, on a repeated call's plan and under ``torch.compile`` (the
+  eager, aot_eager and inductor backends): one tensor for both parts of a split cache (the
+  rotated ``k_pe`` overwrote the latent), a cache that holds ``kv_c``, an ``out`` that holds
+  ``q_pe``, caches and outputs whose elements share memory; the errors name the tensors and
+  never point at an ``inplace`` switch the serving ops do not have.
 - Accepted, and written exactly as with separate tensors: the layouts engines pass, disjoint
   column views of one buffer (SGLang's FlashInfer MLA backend slices ``ckv`` and ``kpe`` out of
   one ``[pages, page_size, 576]`` buffer; a decode ``out`` beside ``q_pe``), also when a plan
@@ -117,6 +118,59 @@ def test_written_tensors_whose_elements_share_memory_are_refused_without_inplace
     q = torch.randn(1, 2, 16 + R).expand(4, 2, 16 + R)
     with pytest.raises(ValueError, match="pass inplace=False"):
         mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=positions, inplace=True)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager", "inductor"])
+def test_torch_compile_refuses_shared_memory_on_every_backend(device, compiler):
+    """A cache that holds ``kv_c``, one tensor for both parts of a split cache, a cache whose
+    rows overlap, an ``out`` that holds ``q_pe``: refused when the graph runs, with nothing
+    written, on every compiler backend. ``aot_eager`` accepted the first: its
+    functionalization hands the writing op a clone of the cache (and copies it back after), so
+    the op's own check saw two separate tensors; the check is now an op of its own in the
+    graph, which writes nothing and sees the real tensors. Every backend accepted the second
+    and third (tracing sees no addresses, and only a stride-0 dim among the strides)."""
+    torch._dynamo.reset()
+    kv_c0, k_pe, cos, sin, positions, slots = _inputs(device)
+    cache = torch.zeros(2, 4, L + R, dtype=torch.bfloat16, device=device)
+    kv_c = cache.view(-1)[: T * L].view(T, L)
+
+    @torch.compile(backend=compiler, fullgraph=True)
+    def append(kv_c, cache):
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, cos, sin, positions, cache, slots, cache_format="concat"
+        )
+
+    with pytest.raises(ValueError, match="cache and kv_c share memory"):
+        append(kv_c, cache)
+    assert not cache.any()  # refused before anything was written
+
+    @torch.compile(backend=compiler, fullgraph=True)
+    def split(ckv, kpe):
+        serving.rope_append_kv_cache(
+            kv_c0[:, :R], k_pe, cos, sin, positions, (ckv, kpe), slots, cache_format="split"
+        )
+
+    c = torch.zeros(2, 4, R, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match=r"are one tensor"):
+        split(c, c)
+    assert not c.any()
+
+    # rows that overlap (not a stride-0 dim, which tracing sees): refused when the graph runs
+    memory = torch.zeros(4 * (L + R) * 2, dtype=torch.bfloat16, device=device)
+    rows = memory.as_strided((2, 4, L + R), (L, 8, 1))
+    with pytest.raises(ValueError, match="cache has elements that share memory"):
+        append(kv_c0, rows)
+    assert not memory.any()
+
+    q_nope = torch.randn(T, H, 32, dtype=torch.bfloat16, device=device)
+    out = torch.zeros(T, H, 32 + R, dtype=torch.bfloat16, device=device)
+
+    @torch.compile(backend=compiler, fullgraph=True)
+    def query(q_pe, out):
+        serving.rope_decode_query(q_nope, q_pe, cos, sin, positions, out=out)
+
+    with pytest.raises(ValueError, match="out and q_pe share memory"):
+        query(out[..., 32:], out)
 
 
 # ------------------------------------------------------- 2. layouts real engines pass: accepted

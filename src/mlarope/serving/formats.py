@@ -191,7 +191,8 @@ def _check_written(name: str, t: torch.Tensor) -> None:
     """A tensor the op writes (a cache, ``out``): each element its own memory, and not an
     inference tensor outside inference mode (PyTorch forbids writing to one; the kernels write
     through a pointer, so PyTorch's own check never runs). While ``torch.compile`` traces,
-    only a stride-0 dim is looked for (strides may be symbolic)."""
+    only a stride-0 dim is looked for (strides may be symbolic); the rest is checked when the
+    graph runs (:func:`_check_apart`)."""
     if torch.compiler.is_compiling():
         for size, stride in zip(t.shape, t.stride(), strict=True):
             if size > 1 and stride == 0:
@@ -219,9 +220,20 @@ def _check_cache_dtype(name: str, t: torch.Tensor, kv_c: torch.Tensor) -> bool:
 
 
 def _check_apart(written: tuple[tuple[str, torch.Tensor], ...], read: tuple) -> None:
-    # Addresses are not traced: a compiled graph's custom op checks when it runs (serving.ops).
-    if not torch.compiler.is_compiling():
-        refuse_shared(written, read)
+    """``_memory.refuse_shared``: no written element shares memory with another or with a read
+    one. Addresses are not traced: while ``torch.compile`` traces, this puts the check into the
+    graph as an op of its own (``serving.ops.refuse_shared_op``), which sees the graph's real
+    tensors when it runs on every backend (the writing op's own check sees a copy of the cache
+    under ``aot_eager``, whose functionalization writes into a clone and copies it back)."""
+    if torch.compiler.is_compiling():
+        from .ops import refuse_shared_op
+
+        refuse_shared_op(
+            [t for _, t in written], [t for _, t in read],
+            ",".join(n for n, _ in written) + ";" + ",".join(n for n, _ in read),
+        )  # fmt: skip
+        return
+    refuse_shared(written, read)
 
 
 # ----------------------------------------------------------------------------- the append op
