@@ -269,6 +269,87 @@ def test_query_refuses_an_out_that_overlaps_its_inputs():
         _query(_query_args("cpu", q_pe=buf[..., 32:], out=buf))
 
 
+def _read_cases():
+    concat = torch.zeros(2, 4, L + R, dtype=torch.bfloat16)
+    fp8 = torch.zeros(2, 4, L + R, dtype=torch.uint8)
+    split = (torch.zeros(2, 4, L, dtype=torch.bfloat16), torch.zeros(2, 4, R, dtype=torch.bfloat16))
+    records = torch.zeros(2, 4, 656, dtype=torch.uint8)
+    ok = torch.tensor([0, 7])
+    return [
+        # slots: -1 (padding) read the last slot's entry, floats were truncated
+        ((concat, torch.tensor([0, -1]), "concat", R, None), ValueError,
+         "slots[1] = -1, the padding marker: a padding token has no entry"),
+        ((concat, torch.tensor([8]), "concat", R, None), ValueError,
+         "slots[0] = 8 is outside the cache: slots are in [0, 8) (2 blocks x 4)"),
+        ((records, torch.tensor([3, -2]), "fp8_656", None, None), ValueError,
+         "slots[1] = -2 is outside the cache"),
+        ((concat, torch.tensor([1.7]), "concat", R, None), TypeError,
+         "slots must be int32 or int64, got dtype torch.float32"),
+        ((concat, [0, 1], "concat", R, None), TypeError, "slots must be a torch.Tensor"),
+        ((concat, ok.view(2, 1), "concat", R, None), ValueError, "slots must be 1-D [n]"),
+        # the format against the cache: a concat cache read as split gave shape-(1,) tensors
+        ((concat, ok, "split", None, None), TypeError,
+         "a split cache must be a pair (ckv [num_pages, page_size, L], kpe [num_pages, "
+         "page_size, R]), got a tensor of shape (2, 4, 576)"),
+        ((split, ok, "concat", R, None), TypeError,
+         "this cache format is one tensor [num_blocks, block_size, L + R], got a tuple of 2"),
+        ((concat, ok, "fp8_656", None, None), TypeError, "an fp8_656 cache holds bytes"),
+        ((fp8[..., :600], ok, "fp8_656", None, None), ValueError,
+         "an fp8_656 cache must be [num_blocks, block_size, 656]"),
+        ((concat[0], ok, "concat", R, None), ValueError, "a concat cache must be 3-D"),
+        ((concat.int(), ok, "concat", R, None), TypeError,
+         "cache must be bfloat16, float16, float32 or FP8 e4m3"),
+        ((split[::-1], ok, "split", None, None), ValueError,
+         "kpe (cache[1]) must be [num_pages, page_size, R] with R one of (32, 64, 128), got "
+         "shape (2, 4, 512)"),
+        (((split[0], split[1][:1]), ok, "split", None, None), ValueError,
+         "kpe (cache[1]) must have ckv's pages [2, 4]"),
+        ((split[0][:1], ok, "split", None, None), TypeError, "a split cache must be a pair"),
+        ((concat, ok, "paged", R, None), ValueError, "cache_format must be one of"),
+        # rope_dim: a bad one gave torch's size error, or another split of the entry
+        ((concat, ok, "concat", None, None), ValueError, "rope_dim (R) is required"),
+        ((concat, ok, "concat", 1000, None), ValueError,
+         "rope_dim must be one of (32, 64, 128) and less than the concat cache's entry width "
+         "L + R = 576, got 1000"),
+        ((concat, ok, "concat", 48, None), ValueError, "got 48"),
+        ((concat, ok, "concat", 64.0, None), TypeError, "rope_dim must be an int or None"),
+        ((split, ok, "split", 32, None), ValueError, "rope_dim = 32 does not match"),
+        ((records, ok, "fp8_656", 32, None), ValueError, "holds R = 64 rope values"),
+        # scales: required for FP8, refused elsewhere
+        ((fp8, ok, "concat", R, None), ValueError, "kv_scale is required for an FP8 concat"),
+        ((fp8, ok, "concat", R, -1.0), ValueError, "kv_scale must be a finite positive"),
+        ((concat, ok, "concat", R, 0.5), ValueError, "kv_scale must be None for a torch.bfloat16"),
+        ((records, ok, "fp8_656", None, 0.5), ValueError,
+         "kv_scale must be None for cache_format='fp8_656'"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(_read_cases())))
+def test_read_kv_cache_checks(index):
+    """``read_kv_cache`` checked nothing: slot -1 (the writers' padding marker) returned the
+    last slot's entry, a concat cache read as ``"split"`` gave shape-(1,) tensors, float slots
+    were truncated, a bad ``rope_dim`` gave torch's size error. Each is an error naming the
+    value now."""
+    (cache, slots, fmt, rope_dim, scale), error, message = _read_cases()[index]
+    with pytest.raises(error, match=re.escape(message)):
+        serving.read_kv_cache(cache, slots, cache_format=fmt, rope_dim=rope_dim, kv_scale=scale)
+
+
+def test_read_kv_cache_reads_what_was_written(device):
+    """The checked reader still reads every format back, slots of either index dtype."""
+    for fmt, dtype in (("concat", torch.uint8), ("split", torch.bfloat16), ("fp8_656", None)):
+        args = _append_args(device, fmt=fmt, cache_dtype=dtype)
+        _append(args)
+        written = torch.tensor([3, 0, 6], dtype=torch.int32, device=device)
+        latent, rope = serving.read_kv_cache(
+            args["cache"], written, cache_format=fmt, rope_dim=R, kv_scale=args["kv_scale"]
+        )
+        assert latent.shape == (3, L) and rope.shape == (3, R) and latent.dtype == torch.float32
+        want = args["kv_c"][[0, 2, 3]].float()
+        tolerance = 0.0 if fmt == "split" else 0.07 * want.abs() + 0.05
+        assert bool(((latent - want).abs() <= tolerance).all()), fmt
+
+
 # ------------------------------------------------------------------------ device validation
 def test_append_validation_names_token_and_slot(device, monkeypatch):
     cases = [

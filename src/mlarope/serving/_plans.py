@@ -13,8 +13,11 @@ recorded argument list and launch, without checks, views or Triton's binder.
   strides against the recorded call (``torch._C._dynamo.guards.TensorGuards``, as
   ``mlarope._plans``), so a call takes a plan only where the pipeline would pass every check
   and make the same launch. A Python-number scale is range-checked on every call, and a
-  written tensor is checked, from the addresses, not to overlap a read one: the two checks
-  of the pipeline that depend on values, not on metadata.
+  written tensor is checked, from the addresses, to lie apart from every other tensor (byte
+  spans apart, or at the offset of the recorded call, which the pipeline found to share no
+  element: the memory rule depends on the addresses only through that offset): the two
+  checks of the pipeline that depend on values, not on metadata. Anything else takes the
+  pipeline.
 - Replay: each kernel argument that was a tensor is the call's tensor at the recorded index.
   The kernels were given integer views (``uint8``, ``int16``, ``int32``) of some of them; a
   compiled kernel sees only the address, so the call's tensor itself is passed, and the view is
@@ -65,7 +68,7 @@ class Plan:
         self.views = views  # ((argument index, tensor index, dtype), ...) for Triton's path
         self.scalar_index = scalar_index  # argument index of the scale value, or None
         self.alloc = alloc
-        self.apart = apart  # ((written index, its span, read index, its span), ...)
+        self.apart = apart  # ((written index, its span, read index, its span, offset), ...)
 
     def __call__(self, tensors: tuple, scale_value: float | None, addresses: list[int]):
         if self.apart and _overlap(addresses, self.apart):
@@ -103,9 +106,14 @@ def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _overlap(addresses: list[int], apart: tuple) -> bool:
-    for written, w_span, read, r_span in apart:
+    """Whether the call may break the no-overlap rule: True unless every written tensor's byte
+    span is apart from each other tensor's, or lies from it at the very offset the recorded
+    call had (``delta``, not None where the recorded spans intersected and the pipeline found
+    no element in common: the rule depends on the addresses only through that offset, the
+    guard fixes the rest)."""
+    for written, w_span, read, r_span, delta in apart:
         w0, r0 = addresses[written], addresses[read]
-        if w0 < r0 + r_span and r0 < w0 + w_span:
+        if w0 < r0 + r_span and r0 < w0 + w_span and r0 - w0 != delta:
             return True
     return False
 
@@ -268,14 +276,24 @@ def _plan_from(tensors, value, launches, written, out) -> Plan | None:
             return None
         alloc = (tuple(out.shape), out.dtype)
     spans = [byte_span(t) for t in everything]
-    # Each written tensor against every other tensor of the call (a new output excepted).
+    starts = [t.data_ptr() for t in everything]
+    # Each written tensor against every other tensor of the call (a new output excepted), with
+    # their offset where their spans intersect (views of one buffer apart by elements, which
+    # the pipeline accepted): a later call with that offset is accepted too, another one takes
+    # the pipeline.
     apart = tuple(
-        (w, spans[w], r, spans[r])
+        (w, spans[w], r, spans[r], _offset(starts, spans, w, r))
         for w in written
         for r in range(len(tensors))
         if r != w and not (r in written and r < w) and spans[r] and spans[w]
     )
     return Plan(launch, template, tuple(slots), tuple(views), scalar_index, alloc, apart)
+
+
+def _offset(starts: list[int], spans: list[int], w: int, r: int) -> int | None:
+    """``starts[r] - starts[w]`` where the two byte spans intersect, else None."""
+    w0, r0 = starts[w], starts[r]
+    return r0 - w0 if w0 < r0 + spans[r] and r0 < w0 + spans[w] else None
 
 
 def _source_of(arg: torch.Tensor, tensors: tuple) -> int | None:

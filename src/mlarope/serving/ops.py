@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 # Core import point (the backend choice, the tables' common stride).
-from .._memory import refuse_shared
+from .._memory import refuse_shared, refuse_written_overlap
 from ..ops import _same_table_strides, use_triton
 from . import reference
 
@@ -26,13 +26,18 @@ def rope_append_kv_cache_impl(
     cache_format: str, interleaved: bool, interleaved_out: bool,
 ) -> None:  # fmt: skip
     """Write ``T`` tokens into a paged cache (a checked call: ``formats.AppendCall``'s fields).
-    No written tensor may overlap a read one: checked here too, since a compiled graph reaches
-    this op with real tensors only when it runs."""
-    written = (("cache", cache),) if kpe_cache is None else (("ckv", cache), ("kpe", kpe_cache))
+    No written tensor may have an element in common with a read one or with the other written
+    one: checked here too, since a compiled graph reaches this op with real tensors only when
+    it runs (under ``aot_eager`` with a clone of the cache: ``refuse_shared_op`` below checks
+    the graph's own tensors before)."""
+    written = (
+        (("cache", cache),) if kpe_cache is None
+        else (("ckv (cache[0])", cache), ("kpe (cache[1])", kpe_cache))
+    )  # fmt: skip
     refuse_shared(
         written,
         (("kv_c", kv_c), ("k_pe", k_pe), ("cos", cos), ("sin", sin), ("positions", positions),
-         ("slot_mapping", slot_mapping), ("kv_scale", scale), ("kpe", kpe_cache)),
+         ("slot_mapping", slot_mapping), ("kv_scale", scale)),
     )  # fmt: skip
     if not use_triton(kv_c):
         reference.append_kv_cache(
@@ -139,6 +144,40 @@ def rope_decode_query_impl(
 
 
 # ------------------------------------------------------------------------------- custom ops
+def _refuse_shared_impl(written: list[Tensor], read: list[Tensor | None], names: str) -> None:
+    """The serving checks' memory rule on a compiled graph's real tensors: each written tensor
+    with elements of its own (``_memory.refuse_written_overlap``), apart from the others and
+    from the read ones (``_memory.refuse_shared``). ``names``: the written tensors' names, then
+    ``;`` and the read ones', each list joined by commas."""
+    written_names, read_names = (part.split(",") for part in names.split(";"))
+    for name, t in zip(written_names, written, strict=True):
+        refuse_written_overlap(name, t)
+    refuse_shared(
+        tuple(zip(written_names, written, strict=True)), tuple(zip(read_names, read, strict=True))
+    )
+
+
+# The serving checks' memory rule inside a compiled graph (``formats._check_apart`` puts it
+# there while tracing). An op of its own, not only the writing op's check: under
+# ``backend="aot_eager"`` functionalization hands the writing op a clone of the cache (and
+# copies it back after), so only an op that writes nothing sees the graph's real tensors on
+# every backend. It returns nothing, so it is registered as having a side effect, or dead-code
+# elimination would drop it.
+refuse_shared_op = torch.library.custom_op(
+    "mlarope::refuse_shared", _refuse_shared_impl, mutates_args=()
+)
+
+
+@refuse_shared_op.register_fake
+def _refuse_shared_fake(*args) -> None:
+    return None
+
+
+_keep = (
+    getattr(torch.fx.node, "has_side_effect", None) or torch.fx.node._side_effectful_functions.add
+)
+_keep(torch.ops.mlarope.refuse_shared.default)
+
 rope_append_kv_cache_op = torch.library.custom_op(
     "mlarope::rope_append_kv_cache", rope_append_kv_cache_impl, mutates_args=("cache", "kpe_cache")
 )

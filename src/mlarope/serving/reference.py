@@ -240,16 +240,28 @@ def read_kv_cache(
     kv_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read entries back and dequantize them: ``(latent [n, L], rope [n, R])`` in fp32 for the
-    ``n`` slots in ``slots`` (each in the cache).
+    ``n`` slots in ``slots`` (``[n]`` int32/int64, on the cache's device).
 
     ``cache`` as :func:`mlarope.serving.rope_append_kv_cache` takes it (a ``(ckv, kpe)`` pair for
-    ``split``); ``rope_dim``: ``R``, needed for ``concat`` only; ``kv_scale``: the dequant scale
-    of an FP8 ``concat`` or ``split`` cache. ``fp8_656`` latents are ``code * s_j`` in fp32 (exact:
-    ``s_j`` is a power of two), as FlashMLA's kernels dequantize them.
+    ``split``); ``rope_dim``: ``R``, required for ``concat`` (one of 32, 64, 128), checked
+    against the cache for the others; ``kv_scale``: the dequant scale of an FP8 ``concat`` or
+    ``split`` cache (a float or a 1-element fp32 tensor), None otherwise. ``fp8_656`` latents
+    are ``code * s_j`` in fp32 (exact: ``s_j`` is a power of two), as FlashMLA's kernels
+    dequantize them.
+
+    Every slot must name an entry, ``[0, num_blocks * block_size)``: the slot values are read
+    (a sync) and one outside, or -1 (the writers' padding marker, which names no entry),
+    raises ``ValueError`` naming its index and value. So does a cache that is not the format's
+    shape or dtype, a ``rope_dim`` that does not fit it, or a scale that is missing or not
+    wanted; a wrong type raises ``TypeError``.
     """
-    slots = slots.to(torch.int64)
+    from .formats import check_read_call  # formats imports this module's constants
+
+    tensors, slots, rope_dim, scale = check_read_call(
+        cache, slots, cache_format, rope_dim, kv_scale
+    )
     if cache_format == "fp8_656":
-        records = fp8_656_records(cache)
+        records = fp8_656_records(tensors[0])
         rec = records[torch.div(slots, records.shape[1], rounding_mode="floor"),
                       slots % records.shape[1]]  # fmt: skip
         n_tiles = FP8_656_LATENT // FP8_656_TILE
@@ -259,21 +271,12 @@ def read_kv_cache(
         rope = rec[:, FP8_656_ROPE_AT:].contiguous().view(torch.bfloat16).to(torch.float32)
         return latent, rope
     if cache_format == "split":
-        ckv, kpe = cache
-        parts = [_gather(ckv, slots), _gather(kpe, slots)]
-    elif cache_format == "concat":
-        if rope_dim is None:
-            raise ValueError("read_kv_cache: the concat format needs rope_dim (R)")
-        rows = _gather(cache, slots)
-        parts = [rows[:, : rows.shape[1] - rope_dim], rows[:, rows.shape[1] - rope_dim :]]
+        parts = [_gather(tensors[0], slots), _gather(tensors[1], slots)]
     else:
-        raise ValueError(f"unknown cache_format {cache_format!r}")
-    dtype = parts[0].dtype
-    if _is_fp8(dtype):
-        if kv_scale is None:
-            raise ValueError("read_kv_cache: an FP8 cache needs its kv_scale")
-        scale = as_scale(kv_scale, parts[0].device)
-        return tuple(e4m3_decode(p) * scale for p in parts)  # type: ignore[return-value]
+        rows = _gather(tensors[0], slots)
+        parts = [rows[:, : rows.shape[1] - rope_dim], rows[:, rows.shape[1] - rope_dim :]]
+    if scale is not None:
+        return e4m3_decode(parts[0]) * scale, e4m3_decode(parts[1]) * scale
     return parts[0].to(torch.float32), parts[1].to(torch.float32)
 
 
