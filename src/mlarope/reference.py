@@ -87,6 +87,24 @@ def rotate_pairs(
     return torch.cat((out_a, out_b), dim=-1)
 
 
+# Each dtype's canonical quiet NaN, as its bits: every NaN a rotation writes is stored so, on
+# every backend (the kernels' ``rotation.from_f32``); the bits of a computed NaN otherwise
+# follow its operands and the hardware (PyTorch's vectorized CPU conversion stores 0xFFFF).
+_CANONICAL_NAN = {
+    torch.bfloat16: (torch.int16, 0x7FC0),
+    torch.float16: (torch.int16, 0x7E00),
+    torch.float32: (torch.int32, 0x7FC00000),
+    torch.float64: (torch.int64, 0x7FF8000000000000),
+}
+
+
+def canonical_nan(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every NaN replaced by its dtype's canonical quiet NaN (the same bits)."""
+    int_dtype, bits = _CANONICAL_NAN[t.dtype]
+    nan = torch.tensor(bits, dtype=int_dtype, device=t.device).view(t.dtype)
+    return torch.where(t.isnan(), nan, t)
+
+
 def _tables_for(positions: Positions, token_shape, cos, sin, dtype, device):
     pos, is_padding = token_positions(positions, token_shape, device)
     cos_rows, sin_rows, in_range = gather_tables(cos, sin, pos, dtype)
@@ -125,7 +143,7 @@ def rope_q(
         inverse=inverse,
         transpose=transpose,
     )
-    return torch.cat((q[..., :nope], rotated.to(q.dtype)), dim=-1)
+    return torch.cat((q[..., :nope], canonical_nan(rotated.to(q.dtype))), dim=-1)
 
 
 def rope_kv(
@@ -159,7 +177,8 @@ def rope_kv(
         interleaved_out=interleaved_out,
         inverse=False,
         transpose=False,
-    ).to(kv.dtype)
+    )
+    rotated = canonical_nan(rotated.to(kv.dtype))
     k_rope = rotated.expand(*kv.shape[:-1], rotated.shape[-1])
     k = torch.cat((kv[..., :k_dim], k_rope), dim=-1)
     return k, kv[..., k_dim:]
@@ -220,7 +239,7 @@ def rope_kv_backward(
         transpose=True,
         round_to=round_to,
     )
-    return dkv, dk_pe.squeeze(-2).to(dk.dtype)
+    return dkv, canonical_nan(dk_pe.squeeze(-2).to(dk.dtype))
 
 
 def megatron_product_dtype(grad_dtype: torch.dtype, table_dtype: torch.dtype) -> torch.dtype | None:

@@ -27,7 +27,14 @@ from ._launch import DirectLauncher
 from ._tiles import cdiv, geometry, next_power_of_2, program_tile, tile_grid
 from ._triton_compat import loop_bound
 from .lookup import VARYING_INTS, position_args, tile_positions
-from .rotation import load_table_halves, rotate, round_to_16bit, transpose_rotate_rounded
+from .rotation import (
+    from_f32,
+    load_table_halves,
+    rotate,
+    round_to_16bit,
+    to_f32,
+    transpose_rotate_rounded,
+)
 
 
 @triton.jit
@@ -93,17 +100,17 @@ def _rope_kv_fwd_kernel(
     if INTERLEAVED_IN:
         k2 = tl.arange(0, 2 * HALF)[None, :]
         x = tl.load(kpe_ptr + pe_row + k2, mask=m_t[:, None] & (k2 < 2 * HALF), other=0.0)
-        a, b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_T, HALF, 2)))
+        a, b = tl.split(tl.reshape(to_f32(x), (BLOCK_T, HALF, 2)))
     else:
         m_pe = m_t[:, None] & (j[None, :] < HALF)
-        a = tl.load(kpe_ptr + pe_row + j[None, :], mask=m_pe, other=0.0).to(tl.float32)
-        b = tl.load(kpe_ptr + pe_row + HALF + j[None, :], mask=m_pe, other=0.0).to(tl.float32)
+        a = to_f32(tl.load(kpe_ptr + pe_row + j[None, :], mask=m_pe, other=0.0))
+        b = to_f32(tl.load(kpe_ptr + pe_row + HALF + j[None, :], mask=m_pe, other=0.0))
     out_a, out_b = rotate(
         a, b, c_a, c_b, s_a, s_b, is_padding[:, None], (~in_range & ~is_padding)[:, None],
         False, False,
     )  # fmt: skip
-    out_a = out_a.to(k_ptr.dtype.element_ty)
-    out_b = out_b.to(k_ptr.dtype.element_ty)
+    out_a = from_f32(out_a, k_ptr.dtype.element_ty)
+    out_b = from_f32(out_b, k_ptr.dtype.element_ty)
 
     if INTERLEAVED_OUT:
         k2 = tl.arange(0, 2 * HALF)[None, None, :]
@@ -153,7 +160,7 @@ def _sum_heads(dk_ptr, dk_tok, m_t, stride_dkh, n_heads, k_dim, BLOCK_T: tl.cons
         h = h0 + tl.arange(0, 16)
         rows = dk_tok[:, None, None] + (h.to(tl.int64) * stride_dkh)[None, :, None] + k_dim
         m = m_t[:, None, None] & (h < n_heads)[None, :, None] & (r < R)
-        g = tl.load(dk_ptr + rows + r, mask=m, other=0.0).to(tl.float32)
+        g = to_f32(tl.load(dk_ptr + rows + r, mask=m, other=0.0))
         g = tl.where(m, g, negative_zero)
         g = _halve_heads(g, BLOCK_T, 16, R)
         g = _halve_heads(g, BLOCK_T, 8, R)
@@ -247,8 +254,8 @@ def _rope_kv_bwd_kernel(
                 g_a, g_b, c_a, c_b, s_a, s_b, is_padding[:, None],
                 (~in_range & ~is_padding)[:, None], False, True,
             )  # fmt: skip
-        d_a = d_a.to(dpe_ptr.dtype.element_ty)
-        d_b = d_b.to(dpe_ptr.dtype.element_ty)
+        d_a = from_f32(d_a, dpe_ptr.dtype.element_ty)
+        d_b = from_f32(d_b, dpe_ptr.dtype.element_ty)
         r = tl.arange(0, 2 * HALF)[None, :]
         pe_row = o_t[:, None] * (2 * HALF)
         if INTERLEAVED_IN:

@@ -18,7 +18,7 @@ from ._launch import DirectLauncher
 from ._tiles import geometry, next_power_of_2, program_tile, tile_grid
 from ._triton_compat import loop_bound
 from .lookup import POS_SEARCHED, VARYING_INTS, position_args, tile_positions
-from .rotation import load_table_halves, rotate
+from .rotation import from_f32, load_table_halves, rotate, to_f32
 
 
 @triton.jit
@@ -28,12 +28,12 @@ def _load_pairs(x_rope, m_row, jj, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     pairs are loaded as one contiguous row (16-byte vectors) and split in registers."""
     if INTERLEAVED_IN:
         k = tl.arange(0, 2 * HALF)[None, None, :]
-        x = tl.load(x_rope + k, mask=m_row & (k < 2 * HALF), other=0.0).to(tl.float32)
+        x = to_f32(tl.load(x_rope + k, mask=m_row & (k < 2 * HALF), other=0.0))
         a, b = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, HALF, 2)))
     else:
         m_pair = m_row & (jj < HALF)
-        a = tl.load(x_rope + jj, mask=m_pair, other=0.0).to(tl.float32)
-        b = tl.load(x_rope + HALF + jj, mask=m_pair, other=0.0).to(tl.float32)
+        a = to_f32(tl.load(x_rope + jj, mask=m_pair, other=0.0))
+        b = to_f32(tl.load(x_rope + HALF + jj, mask=m_pair, other=0.0))
     return a, b
 
 
@@ -106,8 +106,8 @@ def _rope_q_kernel(
         a, b, c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :],
         is_padding[:, None, None], (~in_range & ~is_padding)[:, None, None], INVERSE, TRANSPOSE,
     )  # fmt: skip
-    out_a = out_a.to(out_ptr.dtype.element_ty)
-    out_b = out_b.to(out_ptr.dtype.element_ty)
+    out_a = from_f32(out_a, out_ptr.dtype.element_ty)
+    out_b = from_f32(out_b, out_ptr.dtype.element_ty)
 
     if IN_PLACE:
         # Race freedom: the stores below overwrite the very elements loaded above, and with a

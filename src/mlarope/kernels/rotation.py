@@ -1,11 +1,53 @@
 """The rotation itself, shared by the query and key/value kernels: table rows in, rotated pairs
-out, in fp32, and the rounding of fp32 values to a 16-bit dtype where a caller must round
-before the store (``mlarope.compat.megatron``'s rounding points)."""
+out, in fp32; the conversions of stored values to fp32 and back (:func:`to_f32`,
+:func:`from_f32`: the same bits on every backend); and the rounding of fp32 values to a 16-bit
+dtype where a caller must round before the store (``mlarope.compat.megatron``'s rounding
+points)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ._triton_compat import INTERPRETED
+
+_INTERPRETED = tl.constexpr(INTERPRETED)
+# Each dtype's canonical quiet NaN (its bits): every NaN the kernels compute is stored so.
+_NAN_BF16 = tl.constexpr(0x7FC0)
+_NAN_F16 = tl.constexpr(0x7E00)
+_NAN_F32 = tl.constexpr(0x7FC00000)
+
+
+@triton.jit
+def to_f32(x):
+    """Loaded fp32, fp16 or bf16 values as fp32, exactly. Triton's interpreter converts bf16
+    subnormals wrongly (``1e-40`` to 0, ``1e-38`` to ``8.27e-39``); bf16 is fp32's top half, so
+    there the bits are shifted instead."""
+    if _INTERPRETED and x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def from_f32(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` as ``DTYPE`` (fp32, fp16 or bf16), rounded to nearest even, a NaN as
+    ``DTYPE``'s canonical quiet NaN (``0x7FC0``, ``0x7E00``, ``0x7FC00000``: the bits of a NaN
+    follow its operands and the hardware, so without this the backends would store different
+    ones): the same bits on the GPU and under Triton's interpreter, whose own fp32 -> bf16
+    conversion truncates (there :func:`round_to_16bit` rounds first, exactly)."""
+    if DTYPE.is_fp32():
+        bits = x.to(tl.int32, bitcast=True)
+        return tl.where(x != x, _NAN_F32, bits).to(tl.float32, bitcast=True)
+    elif DTYPE.is_fp16():
+        bits = x.to(tl.float16).to(tl.int16, bitcast=True)
+        return tl.where(x != x, _NAN_F16, bits).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        if _INTERPRETED:
+            bits = (round_to_16bit(x, DTYPE).to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+        else:
+            bits = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        return tl.where(x != x, _NAN_BF16, bits).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -16,10 +58,10 @@ def load_table_halves(cos_ptr, sin_ptr, pos, use_row, stride_table, j, HALF: tl.
     """
     row = tl.where(use_row, pos, 0)[:, None] * stride_table
     m = use_row[:, None]
-    c_a = tl.load(cos_ptr + row + j[None, :], mask=m, other=1.0).to(tl.float32)
-    c_b = tl.load(cos_ptr + row + HALF + j[None, :], mask=m, other=1.0).to(tl.float32)
-    s_a = tl.load(sin_ptr + row + j[None, :], mask=m, other=0.0).to(tl.float32)
-    s_b = tl.load(sin_ptr + row + HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
+    c_a = to_f32(tl.load(cos_ptr + row + j[None, :], mask=m, other=1.0))
+    c_b = to_f32(tl.load(cos_ptr + row + HALF + j[None, :], mask=m, other=1.0))
+    s_a = to_f32(tl.load(sin_ptr + row + j[None, :], mask=m, other=0.0))
+    s_b = to_f32(tl.load(sin_ptr + row + HALF + j[None, :], mask=m, other=0.0))
     return c_a, c_b, s_a, s_b
 
 

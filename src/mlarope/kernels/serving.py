@@ -45,7 +45,7 @@ import triton.language as tl
 from ._launch import DirectLauncher
 from ._tiles import next_power_of_2, program_tile, tile_grid
 from ._triton_compat import INTERPRETED
-from .rotation import load_table_halves, rotate, round_to_16bit
+from .rotation import load_table_halves, rotate, round_to_16bit, to_f32
 
 # How a part of an entry is stored (constexpr NOPE_MODE / ROPE_MODE).
 COPY = tl.constexpr(0)  # nope: the input's bits, copied
@@ -181,12 +181,12 @@ def _load_pairs(ptr, row, m_row, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     ``ptr + row`` (``row``, ``m_row``: ``[BLOCK_T, BLOCK_H, 1]``)."""
     if INTERLEAVED_IN:
         k = tl.arange(0, 2 * HALF)[None, None, :]
-        x = tl.load(ptr + row + k, mask=m_row & (k < 2 * HALF), other=0.0).to(tl.float32)
+        x = to_f32(tl.load(ptr + row + k, mask=m_row & (k < 2 * HALF), other=0.0))
         a, b = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, HALF, 2)))
     else:
         j = tl.arange(0, HALF)[None, None, :]
-        a = tl.load(ptr + row + j, mask=m_row & (j < HALF), other=0.0).to(tl.float32)
-        b = tl.load(ptr + row + HALF + j, mask=m_row & (j < HALF), other=0.0).to(tl.float32)
+        a = to_f32(tl.load(ptr + row + j, mask=m_row & (j < HALF), other=0.0))
+        b = to_f32(tl.load(ptr + row + HALF + j, mask=m_row & (j < HALF), other=0.0))
     return a, b
 
 
@@ -259,12 +259,12 @@ def _rope_append_kernel(
     if NOPE_MODE == COPY:
         tl.store(nope_ptr + nope_row + c, x, mask=m_c)
     elif NOPE_MODE == E4M3:
-        codes = e4m3_codes(quotient(x.to(tl.float32), scale, NATIVE), NATIVE)
+        codes = e4m3_codes(quotient(to_f32(x), scale, NATIVE), NATIVE)
         tl.store(nope_ptr + nope_row + c, codes, mask=m_c)
     else:
         tl.static_assert(L % 128 == 0)
         tl.static_assert(BLOCK_L == L)
-        x = tl.reshape(x.to(tl.float32), (BLOCK_T, L // 128, 128))
+        x = tl.reshape(to_f32(x), (BLOCK_T, L // 128, 128))
         # NaN does not count towards a tile's maximum (the same on every backend); it is still
         # stored as a NaN code.
         amax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=2)
@@ -346,7 +346,7 @@ def _rope_decode_query_kernel(
         m = m_row & (c < L)
         x = tl.load(qn_ptr + qn_row + c, mask=m)
         if NOPE_MODE == E4M3:
-            x = e4m3_codes(quotient(x.to(tl.float32), scale, NATIVE), NATIVE)
+            x = e4m3_codes(quotient(to_f32(x), scale, NATIVE), NATIVE)
         tl.store(out_ptr + o_row + c, x, mask=m)
 
     out_a, out_b = rotate(
@@ -419,13 +419,29 @@ def choose_append_config(n_tokens: int, latent: int) -> AppendConfig:
     return AppendConfig(block_t, num_warps)
 
 
+# Programs below which a decode-query grid leaves the H200's 132 multiprocessors short of
+# bytes in flight (four programs each).
+_QUERY_MIN_PROGRAMS = 528
+
+
 def choose_query_config(n_tokens: int, n_heads: int, latent: int) -> QueryConfig:
-    """Heuristic configuration of the decode-query kernel (no autotuning): the key/value
-    forward's copy tile (``kernels/kv.py``), 16 heads x 128 channels a step, one warp per 1,024
-    elements, which measured 92-95 % of the copy there."""
+    """Heuristic configuration of the decode-query kernel (no autotuning).
+
+    Prefill batches: the key/value forward's copy tile (``kernels/kv.py``), 16 heads x 128
+    channels a step, one warp per 1,024 elements, which measured 92-95 % of the copy there.
+    Decode batches, where that tile gives fewer than ``_QUERY_MIN_PROGRAMS`` programs (64
+    tokens of 128 heads and fewer: one token was 8 programs, 5.1 us against FlashInfer's
+    2.4, run G1): the whole latent row in one step (no loop, so each program's loads are all
+    in flight at once), and fewer heads per program, down to one, until the grid has that
+    many programs or each program holds one head."""
     block_c = min(next_power_of_2(latent), 128)
     block_h = min(next_power_of_2(n_heads), max(1, 2048 // block_c))
     block_t = min(next_power_of_2(n_tokens), max(1, 2048 // (block_h * block_c)))
+    if -(-n_tokens // block_t) * -(-n_heads // block_h) < _QUERY_MIN_PROGRAMS:
+        block_t, block_c = 1, next_power_of_2(latent)
+        block_h = min(next_power_of_2(n_heads), max(1, 2048 // block_c))
+        while block_h > 1 and n_tokens * -(-n_heads // block_h) < _QUERY_MIN_PROGRAMS:
+            block_h //= 2
     num_warps = min(8, next_power_of_2(max(1, block_t * block_h * block_c // 1024)))
     return QueryConfig(block_t, block_h, block_c, num_warps)
 

@@ -84,7 +84,9 @@ def _transformers_families(table_class):
     for header in ("family", "mlarope", "rotary functions, or why not"):
         table.add_column(header)
     for row in family_report(cache=True):
-        table.add_row(row.name, row.status, row.detail())
+        status = row.status + (" (off by default)" if row.off_by_default else "")
+        detail = row.detail() + (f"; {row.off_by_default}" if row.off_by_default else "")
+        table.add_row(row.name, status, detail)
     return table
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _discovery, _patch, _report_cache
+from . import _discovery, _measured, _patch, _report_cache
 from ._rotation import Mapping
 
 __all__ = [
@@ -99,6 +99,9 @@ class FamilyStatus:
     functions: tuple[FunctionStatus, ...]
     runs_on: str | None  # a config-only family: the family whose code it runs
     applied: bool  # the patch is in place now
+    # Why apply_mlarope_to_all() leaves a patchable family unpatched ("" when it patches it):
+    # its measured training step (mlarope.integrations.transformers._measured).
+    off_by_default: str = ""
 
     def detail(self) -> str:
         """The functions and their mappings (patched), or the reason (not)."""
@@ -111,8 +114,9 @@ class FamilyStatus:
         return text
 
     def summary(self) -> str:
-        """One line: ``name: status: detail``."""
-        return f"{self.name}: {self.status}: {self.detail()}"
+        """One line: ``name: status: detail`` (and why it is off by default)."""
+        off = f"; {self.off_by_default}" if self.off_by_default else ""
+        return f"{self.name}: {self.status}: {self.detail()}{off}"
 
 
 def _callers(fam: _patch.Family, name: str) -> tuple[str, ...]:
@@ -147,6 +151,7 @@ def _status(fam: _patch.Family, name: str, runs_on: str | None) -> FamilyStatus:
         functions=functions,
         runs_on=runs_on,
         applied=_patch.is_applied(fam),
+        off_by_default=_measured.off_by_default(fam.name) if fam.patchable else "",
     )
 
 
@@ -287,12 +292,25 @@ def revert_mlarope(target: torch.nn.Module | str) -> None:
     _patch.revert(_select(target, "target"))
 
 
-def apply_mlarope_to_all() -> tuple[str, ...]:
-    """Patch every family of the installed transformers that mlarope patches exactly.
+def _worth_it(*, include_off_by_default: bool) -> list[_patch.Family]:
+    """The families ``*_all`` patch: every exactly patchable one, less those whose measured
+    training step misses the target unless asked (:mod:`._measured`)."""
+    return [
+        f
+        for f in _patch.families()
+        if f.patchable and (include_off_by_default or not _measured.off_by_default(f.name))
+    ]
+
+
+def apply_mlarope_to_all(*, include_off_by_default: bool = False) -> tuple[str, ...]:
+    """Patch every family of the installed transformers that mlarope patches exactly and that
+    is worth it: a family whose measured training step through mlarope misses the target
+    (``family_report()``'s ``off_by_default`` says why) is left as it is unless
+    ``include_off_by_default=True``; :func:`apply_mlarope` patches it by name or model.
 
     Families that are not patched (no exact mapping, nothing to patch) are skipped; see
     :func:`family_report`. Returns the families patched. Undo with :func:`revert_mlarope_all`."""
-    fams = [f for f in _patch.families() if f.patchable]
+    fams = _worth_it(include_off_by_default=include_off_by_default)
     _patch.apply(fams)
     return tuple(f.name for f in fams)
 
@@ -335,9 +353,12 @@ def mlarope_patched(
     return _block(fams)
 
 
-def mlarope_patched_all() -> contextlib.AbstractContextManager[None]:
-    """Patch every family mlarope patches for the ``with`` block (see :func:`mlarope_patched`)."""
-    return _block([f for f in _patch.families() if f.patchable])
+def mlarope_patched_all(
+    *, include_off_by_default: bool = False
+) -> contextlib.AbstractContextManager[None]:
+    """Patch, for the ``with`` block, the families :func:`apply_mlarope_to_all` patches (see
+    :func:`mlarope_patched`)."""
+    return _block(_worth_it(include_off_by_default=include_off_by_default))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,8 +14,10 @@ decode batches (1, 8, 64, 256 tokens). For each cache format and the decode quer
 - the unfused sequence it replaces: mlarope's rotation (``apply_rope_q``), ``torch.cat``, the
   FP8 quantization and ``index_copy_`` into the cache; its time and host time, the speed-up,
   and a check that both wrote the same values (within one rounding or one e4m3 step);
-- FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` and ``mla_rope_quantize_fp8`` on the
-  same inputs, when ``flashinfer`` imports (it is not a dependency).
+- FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` (the split FP8 cache),
+  ``mla_rope_quantize_fp8`` (the FP8 query) and ``append_paged_mla_kv_cache`` (the split bf16
+  cache; a plain append without rotation, handed the rotated values) on the same inputs, when
+  ``flashinfer`` imports (it is not a dependency).
 
 Targets (judged on the GPU): prefill >= 90 % of the copy; decode host time <= 15 us.
 ``--sweep`` also times other launch configurations and the integer FP8 encoder on the prefill
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+import mlarope
 from mlarope.serving.reference import e4m3_decode, read_kv_cache
 
 from .cases import rotation_sets
@@ -314,6 +317,7 @@ def import_flashinfer():
     """``(module, version or why not)``."""
     try:
         import flashinfer  # type: ignore[import-not-found]
+        import flashinfer.page  # type: ignore[import-not-found]
         import flashinfer.rope  # type: ignore[import-not-found]
     except Exception as exc:
         return None, f"not available: {type(exc).__name__}: {exc}".splitlines()[0]
@@ -345,6 +349,25 @@ def flashinfer_calls(fi, op: OpSpec, inp: Inputs, cos, sin) -> Callable[[], obje
             quantize_dtype=torch.float8_e4m3fn, quant_scale_q=inv, quant_scale_kv=inv,
             page_size=bs,
         )  # fmt: skip
+    if op.kind == "append" and op.fmt == "split" and not _fp8_cache(op):
+        # append_paged_mla_kv_cache: a plain paged append, no rotation; it is handed the rope
+        # values ours writes (rotated once, before the timing), so both write the same bytes.
+        ckv, kpe = inp.cache
+        bs = ckv.shape[1]
+        rotated = mlarope.apply_rope_q(
+            inp.k_pe.unsqueeze(1), cos, sin, layout="thd", position_ids=inp.positions,
+            interleaved=True, interleaved_out=True,
+        ).squeeze(1)  # fmt: skip
+        valid = inp.slots >= 0  # FlashInfer has no padding slot: those tokens are left out
+        slots, kv_c, rotated = inp.slots[valid], inp.kv_c[valid], rotated[valid]
+        kv_indices = torch.arange(ckv.shape[0], dtype=torch.int32, device=ckv.device)
+        kv_indptr = torch.tensor([0, ckv.shape[0]], dtype=torch.int32, device=ckv.device)
+        last_page_len = torch.tensor([bs], dtype=torch.int32, device=ckv.device)
+        batch = torch.zeros(slots.shape[0], dtype=torch.int32, device=ckv.device)
+        positions = slots.to(torch.int32)  # one request over the pages in order: slot = position
+        return lambda: fi.page.append_paged_mla_kv_cache(
+            kv_c, rotated, batch, positions, ckv, kpe, kv_indices, kv_indptr, last_page_len
+        )
     if op.kind == "query" and op.fp8_out:
         t, _, lat = inp.q_nope.shape
         k_rope = torch.zeros(t, inp.q_pe.shape[2], dtype=inp.q_pe.dtype, device=inp.q_pe.device)
@@ -585,8 +608,8 @@ def run_sweep(
             # 16 or 32 elements a thread per copy step
             configs = [
                 kernels.QueryConfig(1, bh, bc, w)
-                for bh in (4, 8, 16, 32)
-                for bc in (128, 256)
+                for bh in (1, 2, 4, 8, 16, 32)
+                for bc in (128, 256, 512)
                 for w in (1, 2, 4, 8)
                 if bh * bc // (32 * w) in (16, 32)
             ]

@@ -1,0 +1,126 @@
+"""The kernels and the PyTorch reference store the same bits (both CPU lanes and the GPU).
+
+Where the result is defined to the bit (one rounding to nearest even of one fp32 value), every
+backend must store it; NaN rows and NaN results are stored as the dtype's canonical quiet NaN
+(``0x7FC0`` for bf16, ``0x7E00`` for fp16, ``0x7FC00000`` for fp32), whatever NaN arithmetic or
+the hardware made. Triton's interpreter converts bf16 subnormals wrongly on loading and
+truncates fp32 -> bf16 on storing; the kernels convert by bits there (``kernels/rotation.py``:
+``to_f32``, ``from_f32``).
+
+The inputs are every bf16 (fp16) bit pattern, rotated by a table whose sine is 0, so that the
+fp32 result is one product, rounded once to fp32 on every backend (an fma with a zero addend
+rounds once too): the 16-bit rounding of that value is then the only thing that can differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mlarope
+from mlarope import reference
+
+R, H = 64, 16
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def every_pattern(dtype: torch.dtype, device) -> torch.Tensor:
+    """All 65,536 16-bit patterns as ``[64, 16, 64]`` values of ``dtype``."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    return bits.view(dtype).reshape(2**16 // (H * R), H, R).to(device)
+
+
+def tables(device, *, scale: float = 1.0 + 2.0**-9 + 2.0**-20):
+    """One row: cos = ``scale`` (every product needs rounding), sin = 0."""
+    cos = torch.full((1, R), scale, dtype=torch.float32, device=device)
+    return cos, torch.zeros_like(cos)
+
+
+@pytest.fixture
+def reference_backend(monkeypatch):
+    """``run(fn, *tensors)``: ``fn`` on CPU copies of ``tensors`` through mlarope's PyTorch
+    backend (CPU tensors without ``TRITON_INTERPRET``: ``ops.use_triton`` reads it per call)."""
+
+    def run(fn, *tensors):
+        with monkeypatch.context() as m:
+            m.setenv("TRITON_INTERPRET", "0")
+            return fn(*(t.detach().cpu().requires_grad_(t.requires_grad) for t in tensors))
+
+    return run
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    a, b = got.cpu().view(BITS[got.dtype]), want.cpu().view(BITS[want.dtype])
+    differ = (a != b).sum().item()
+    if differ:
+        i = (a != b).nonzero()[0].tolist()
+        raise AssertionError(
+            f"{what}: {differ} of {a.numel()} stored values differ from the reference, first at "
+            f"{i}: {int(a[tuple(i)]) & 0xFFFFFFFF:#x} against {int(b[tuple(i)]) & 0xFFFFFFFF:#x}"
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved_out", [False, True])
+def test_query_op_rounds_as_the_reference(device, dtype, interleaved_out):
+    q = every_pattern(dtype, device)
+    cos, sin = tables(device)
+    ids = torch.zeros(q.shape[0], dtype=torch.int64, device=device)
+    kw = dict(layout="thd", position_ids=ids, interleaved=False, interleaved_out=interleaved_out)
+    got = mlarope.apply_rope_q(q, cos, sin, **kw)
+    ref_kw = {**kw, "position_ids": ids.cpu()}
+    want = reference.apply_rope_q(q.cpu(), cos.cpu(), sin.cpu(), **ref_kw)
+    assert_same_bits(got, want, f"{dtype} query op")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nan_rows_and_nan_results_are_canonical(device, dtype, reference_backend):
+    """A row outside the table (NaN by the contract), NaN inputs and ``inf * 0`` (NaN from the
+    arithmetic, whose sign and payload vary by backend): the same canonical NaN everywhere, in
+    the query op, the key/value op and its backward."""
+    cos, sin = mlarope.YarnConfig(dim=R).cos_sin(8, device=device)
+    q = torch.randn(4, 3, 16 + R, device=device).to(dtype)
+    q[1, 0, 16] = float("nan")
+    q[1, 1, 17] = -float("nan")
+    q[1, 2, 16] = float("inf")  # its partner's sine term: inf * 0 at position 0
+    ids = torch.tensor([0, 0, 100, 3], device=device)  # row 2: outside the table
+    kw = dict(layout="thd", position_ids=ids)
+    ref_kw = dict(layout="thd", position_ids=ids.cpu())
+    got = mlarope.apply_rope_q(q, cos, sin, **kw)
+    want = reference.apply_rope_q(q.cpu(), cos.cpu(), sin.cpu(), **ref_kw)
+    assert got.isnan().any() and torch.equal(got.isnan().cpu(), want.isnan())
+    assert_same_bits(got[got.isnan()], want[want.isnan()], f"{dtype} query op NaNs")
+
+    kv = torch.randn(4, 3, 16 + 8, device=device).to(dtype)
+    k_pe = q[:, 0, 16:].contiguous()
+    k, _ = mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=16, **kw)
+    k_ref, _ = reference.apply_rope_kv(kv.cpu(), k_pe.cpu(), cos.cpu(), sin.cpu(), k_dim=16,
+                                       **ref_kw)  # fmt: skip
+    assert_same_bits(k, k_ref, f"{dtype} key/value op")
+
+    kv.requires_grad_(True)
+    k_pe.requires_grad_(True)
+    g = torch.randn(4, 3, 16 + R, device=device).to(dtype)
+    g[0, :, 16] = float("nan")
+
+    def k_pe_grad(kv, k_pe, g, cos, sin, ids):
+        k, _ = mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=16, layout="thd", position_ids=ids)
+        return torch.autograd.grad(k, k_pe, g)[0]
+
+    # The head sum's order differs (kernels: pairwise; reference: in turn), so only the NaNs,
+    # here a NaN head-sum entry and the row outside the table, are defined to the bit.
+    dk_pe = k_pe_grad(kv, k_pe, g, cos, sin, ids)
+    dk_pe_ref = reference_backend(k_pe_grad, kv, k_pe, g, cos, sin, ids)
+    nan = dk_pe.isnan()
+    assert nan.any() and torch.equal(nan.cpu(), dk_pe_ref.isnan())
+    assert_same_bits(dk_pe[nan], dk_pe_ref[dk_pe_ref.isnan()], f"{dtype} k_pe gradient NaNs")
+
+
+def test_bf16_subnormal_inputs_are_read_exactly(device):
+    """``1e-40`` and ``1e-38`` (bf16 subnormals) rotated by the identity come back unchanged;
+    Triton's own interpreter reads them as 0 and ``8.27e-39``."""
+    cos, sin = torch.ones(1, R, device=device), torch.zeros(1, R, device=device)
+    values = torch.tensor([1e-40, 1e-38, -3e-39, 2.0**-133], dtype=torch.bfloat16)
+    q = values.repeat(R // 4 * 2).view(1, 2, R).to(device)
+    got = mlarope.apply_rope_q(q, cos, sin, layout="thd", interleaved=False)
+    assert_same_bits(got, q, "identity rotation of bf16 subnormals")
