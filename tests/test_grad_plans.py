@@ -277,3 +277,27 @@ def test_pair_checks(device):
         mlarope.apply_rope_qk(q, None, cos, sin, layout="bshd")
     a, b = mlarope.apply_rope_qk(q, k.double(), cos, sin, layout="bshd")  # dtypes of their own
     assert a.dtype == torch.float32 and b.dtype == torch.float64
+
+
+def test_megatron_compat_key_value_call_replays(device):
+    """``mlarope.compat.megatron``'s key/value call (its backward rounds where Megatron-Core's
+    does) replays in one node from its second call, with the first call's bits, and never takes
+    the public call's plan (whose backward rounds once)."""
+    from mlarope.compat import megatron as compat
+
+    cos, sin = (t.view(P, 1, 1, R) for t in tables(device))
+    kv0 = torch.randn(4, 2, H, K + V, device=device).to(torch.bfloat16)
+    k0 = torch.randn(4, 2, 1, R, device=device).to(torch.bfloat16)
+    gk = torch.randn(4, 2, H, K + R, device=device).to(torch.bfloat16)
+    gv = torch.randn(4, 2, H, V, device=device).to(torch.bfloat16)
+    results = []
+    for rounding in ("megatron", "megatron", "megatron", "exact", "exact"):
+        kv, k_pe = kv0.clone().requires_grad_(True), k0.clone().requires_grad_(True)
+        k, v = compat.fused_apply_mla_rope_for_kv(kv, k_pe, cos, sin, R, K, V, rounding=rounding)
+        dkv, dk_pe = torch.autograd.grad((k, v), (kv, k_pe), (gk, gv))
+        results.append((rounding, node(k), k.detach(), dkv, dk_pe))
+    assert [r[1] == REPLAYED for r in results] == [False, True, True, False, True]
+    for r in results[1:3]:
+        assert all(torch.equal(a, b) for a, b in zip(r[2:], results[0][2:], strict=True))
+    assert torch.equal(results[4][4], results[3][4])
+    assert not torch.equal(results[3][4], results[0][4]), "the two roundings differ here"

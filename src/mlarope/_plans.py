@@ -221,9 +221,11 @@ def query_signature(
 
 def kv_signature(
     kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
-    interleaved_out, copy_v, validate,
+    interleaved_out, copy_v, validate, megatron_rounding=False,
 ) -> Signature | None:  # fmt: skip
-    """The signature of an ``apply_rope_kv`` call, or None if it cannot have a plan."""
+    """The signature of an ``apply_rope_kv`` call, or None if it cannot have a plan
+    (``megatron_rounding``: ``mlarope.compat.megatron``'s call, whose backward rounds where
+    Megatron-Core's does: a plan of its own)."""
     if (
         not _plain_call(
             layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
@@ -241,7 +243,7 @@ def kv_signature(
         return None
     key = (
         "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v,
-        len(tensors), kv.shape, alignment, _device_key(kv), grad_mode,
+        megatron_rounding, len(tensors), kv.shape, alignment, _device_key(kv), grad_mode,
     )  # fmt: skip
     return _signature(Signature, (key, tensors))
 

@@ -70,9 +70,9 @@ from typing import NoReturn
 import torch
 
 import mlarope
-from mlarope import _checks
-from mlarope.autograd import rope_kv_differentiable
-from mlarope.ops import KVCall
+from mlarope import _checks, _plans
+from mlarope.autograd import replay, rope_kv_differentiable
+from mlarope.ops import KVCall, with_tensors
 
 __all__ = [
     "ROUNDING_MODES",
@@ -651,7 +651,15 @@ def _apply_rope_kv_megatron_rounding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mlarope.apply_rope_kv`'s autograd path (its checks, then its autograd function)
     with the autograd function's ``megatron_rounding`` flag set: the same forward, a backward
-    whose ``k_pe`` gradient rounds where Megatron-Core's does."""
+    whose ``k_pe`` gradient rounds where Megatron-Core's does. A repeated eager call replays its
+    launches in one node, as the public call's do (``_plans.GradPlan``)."""
+    signature = _plans.kv_signature(
+        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, None, cp_rank, cp_size, interleaved,
+        interleaved_out, copy_v, validate, megatron_rounding=True,
+    )  # fmt: skip
+    plan = _plans.find(signature)
+    if plan.__class__ is _plans.GradPlan:
+        return replay(plan, signature.tensors)
     kv, k_pe, k_dim, cos2d, sin2d, positions = _checks.check_kv_call(
         kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, None, cp_rank, cp_size, interleaved,
         interleaved_out,
@@ -663,4 +671,8 @@ def _apply_rope_kv_megatron_rounding(
         cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
         positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v, True,
     )  # fmt: skip
-    return rope_kv_differentiable(kv, k_pe, call)
+    grad_plan = _plans.Replay("kv", with_tensors(call, (None,) * 5))
+    with _plans.recorder(signature, kv, grad_plan) as record:
+        k, v = rope_kv_differentiable(kv, k_pe, call)
+        record((k, v) if copy_v else (k,))
+    return k, v
