@@ -11,7 +11,12 @@ Each file is a script, run from the repository root with the package importable 
 - ``serving_kernel_report.py``: the same for the serving kernels (``mlarope.serving``);
 - ``host_profile.py``: where the host time of one eager decode call goes;
 - ``host_variance.py``: how the benchmark's decode host times spread, and why;
-- ``q_inplace_layouts.py``: the in-place query kernel by pair layout, direction and tile.
+- ``q_inplace_layouts.py``: the in-place query kernel by pair layout, direction and tile;
+- ``transformers_layers.py``: one real-size transformers MLA attention layer per family,
+  unpatched and through mlarope;
+- ``megatron_layers.py``: one DeepSeek-V3-size Megatron-Core ``MLASelfAttention``, Megatron's
+  fused RoPE, mlarope's patch and unfused, built by ``megatron_layer.py`` (the builder the
+  Megatron-Core layer test imports).
 
 The benchmark users run, ``python -m mlarope bench``, is in the package
 (``mlarope.tools.bench``). The tests import these scripts as ``benchmarks.sweep`` and so on

@@ -4,7 +4,7 @@
 #
 #   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
 #                                    [sweep] [sweep_base] [host] [decode] [megatron_tests]
-#                                    [transformers_layers] [host_grad] [serving]
+#                                    [transformers_layers] [host_grad] [megatron_layers] [serving]
 #   (default: the first six, in that order; sweep = benchmarks/sweep.py, the launch-config
 #   sweep; sweep_base = its heuristic rows for a package copy in .ab/base, an A/B baseline:
 #   copy another commit's src/mlarope there and carry .ab (the current benchmarks/sweep.py runs
@@ -15,7 +15,10 @@
 #   .megatron-lm; transformers_layers = one real-size attention layer of every patched
 #   transformers family, unpatched and patched, at sequences 4096 and 128,
 #   benchmarks/transformers_layers.py; host_grad = host time per call with gradients against
-#   transformers' own rotary functions, benchmarks/host_grad.py; serving = mlarope.serving's
+#   transformers' own rotary functions, benchmarks/host_grad.py; megatron_layers = one
+#   DeepSeek-V3-size Megatron-Core MLA layer, Megatron's fused RoPE, mlarope's patch and
+#   unfused, sbhd and thd, benchmarks/megatron_layers.py (Megatron-LM checkout as for
+#   megatron_tests); serving = mlarope.serving's
 #   GPU tests, then its benchmark, writing serving.json and serving.md)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
@@ -107,6 +110,23 @@ for step in "${steps[@]}"; do
       # transformers' against mlarope's, and the public ops (docs/perf_log.md).
       timeout "${HOST_GRAD_SECONDS:-200}" python3 -m benchmarks.host_grad \
         --out "$OUT/host_grad.md" 2>&1 | tail -60 ;;
+    megatron_layers)
+      # One Megatron-Core MLASelfAttention at DeepSeek-V3's widths (bf16, batch 1): forward and
+      # training step with Megatron's fused RoPE kernels, mlarope's patch and the unfused path,
+      # sbhd 4096, thd 4096 / 1 sequence, thd 16384 / 4096 sequences, sbhd 128 (host-bound),
+      # checked against the fp32 layer; megatron_layers.md (docs/megatron.md) and the log.
+      # MEGATRON_LM: a Megatron-LM checkout (default .megatron-lm, carried), put first on
+      # PYTHONPATH; MEGATRON_LAYERS_ARGS: more arguments, e.g. "--cases thd:4096/4096".
+      mlm="${MEGATRON_LM:-$PWD/.megatron-lm}"
+      if [ ! -d "$mlm/megatron/core" ]; then
+        echo "megatron_layers: no Megatron-LM checkout at $mlm (set MEGATRON_LM or carry .megatron-lm)"
+        status=1; continue
+      fi
+      # shellcheck disable=SC2086
+      MEGATRON_LM="$mlm" PYTHONPATH="$mlm:$PYTHONPATH" timeout "${MEGATRON_LAYERS_SECONDS:-170}" \
+        python3 -m benchmarks.megatron_layers --out "$OUT/megatron_layers.md" \
+        ${MEGATRON_LAYERS_ARGS:-} 2>&1 | tee "$OUT/megatron_layers.log" \
+        | grep -E "^(megatron_layers|\||Traceback|[A-Za-z.]*Error)" | tail -60 ;;
     serving)
       # mlarope.serving (docs/serving.md): its tests on the GPU (summary only), then the
       # benchmark: prefill and decode per cache format, the unfused sequence, FlashInfer when it

@@ -15,8 +15,10 @@ Two parts:
 Megatron-Core's local (non-TransformerEngine) spec cannot build MLA: its ``DotProductAttention``
 takes no ``k_channels`` / ``v_channels`` (and no packed sequences), and the GPU lane has no
 TransformerEngine. So the layer is built from the local spec with the core attention replaced by
-a plain PyTorch causal attention written here (``TorchCoreAttention``); everything that
-computes the queries and keys, the tables and the RoPE calls is Megatron-Core's own code.
+a plain PyTorch causal attention (``TorchCoreAttention``); everything that computes the queries
+and keys, the tables and the RoPE calls is Megatron-Core's own code. The builder is
+``benchmarks/megatron_layer.py``, shared with the layer benchmark
+(``benchmarks/megatron_layers.py``, whose CPU smoke runs here too).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ import os
 import sys
 import threading
 import types
-import warnings
 
 import pytest
 import torch
 
+from benchmarks import megatron_layer
 from mlarope.compat import megatron as compat
 from mlarope.integrations import megatron as integration
 
@@ -315,98 +317,22 @@ def megatron_core():
     path = os.environ.get("MEGATRON_LM")
     if not path:
         pytest.skip("needs a Megatron-LM checkout: MEGATRON_LM=path (gpu_lane.sh megatron_tests)")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import megatron.core.transformer.multi_latent_attention  # noqa: F401
-        from megatron.core import parallel_state
-    created = not torch.distributed.is_initialized()
-    if created:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        store = torch.distributed.HashStore()
-        torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(123)  # Megatron's modules may fork its CUDA RNG tracker
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        torch.distributed.destroy_process_group()
+    with megatron_layer.megatron_core(path):
+        yield
 
 
-class TorchCoreAttention(torch.nn.Module):
-    """Causal softmax attention in plain PyTorch, with the constructor and call of Megatron-Core's
-    core attention: ``[S, B, H, D]`` in, ``[S, B, H * Dv]`` out (sbhd), or ``[T, H, D]`` in and
-    ``[T, H, Dv]`` out with ``packed_seq_params`` (thd, one causal block per sequence)."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None,
-                 k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None,
-                 **kwargs):  # fmt: skip
-        super().__init__()
-        self.softmax_scale = softmax_scale
-
-    def _attend(self, q, k, v):  # [..., H, L, D]
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale
-        )
-
-    def forward(self, query, key, value, attention_mask, packed_seq_params=None,
-                attn_mask_type=None, **kwargs):  # fmt: skip
-        if packed_seq_params is None:
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            out = self._attend(q, k, v).permute(2, 0, 1, 3)
-            return out.reshape(*out.shape[:2], -1)
-        cu = packed_seq_params.cu_seqlens_q.tolist()
-        parts = []
-        for start, end in itertools.pairwise(cu):
-            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
-            parts.append(self._attend(q, k, v).transpose(0, 1))
-        return torch.cat(parts, dim=0)
-
-
-HIDDEN, HEADS, Q_LORA, KV_LORA = 512, 8, 192, 128
-NOPE, ROPE, V_DIM = 128, 64, 128  # DeepSeek-V3's per-head dims
+WIDTHS = megatron_layer.SMALL
+HIDDEN, HEADS, Q_LORA, KV_LORA = WIDTHS.hidden, WIDTHS.heads, WIDTHS.q_lora, WIDTHS.kv_lora
+NOPE, ROPE, V_DIM = WIDTHS.nope, WIDTHS.rope, WIDTHS.v  # DeepSeek-V3's per-head dims
 SEQ, BATCH, CU = 128, 2, [0, 37, 64, 128]
 
 
 def build_mla(fusion: bool, dtype: torch.dtype, device):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = MLATransformerConfig(
-            num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, q_lora_rank=Q_LORA,
-            kv_lora_rank=KV_LORA, qk_head_dim=NOPE, qk_pos_emb_head_dim=ROPE,
-            v_head_dim=V_DIM, rope_type="yarn", rotary_base=10000, rotary_scaling_factor=40,
-            original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
-            mscale_all_dim=1.0, qk_layernorm=True, normalization="RMSNorm",
-            apply_rope_fusion=fusion, use_cpu_initialization=True, params_dtype=dtype,
-            bf16=dtype == torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
-            gradient_accumulation_fusion=False, add_bias_linear=False,
-        )  # fmt: skip
-        spec = get_gpt_layer_local_spec(
-            multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm"
-        ).submodules.self_attention
-        spec.submodules.core_attention = TorchCoreAttention
-        torch.manual_seed(0)
-        layer = build_module(spec, config=config, layer_number=1)
-    return layer.to(device)
+    return megatron_layer.build_mla(fusion, dtype, device, WIDTHS)
 
 
 def packed_params(layout: str, device):
-    if layout == "sbhd":
-        return None
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.tensor(CU, dtype=torch.int32, device=device)
-    longest = max(b - a for a, b in itertools.pairwise(CU))
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+    return None if layout == "sbhd" else megatron_layer.packed_seq_params(CU, device)
 
 
 def positions(layout: str) -> torch.Tensor:
