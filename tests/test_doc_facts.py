@@ -102,6 +102,22 @@ def test_family_table_is_the_installed_transformers_report():
         assert status.startswith(want), f"{family}: the table says {status!r}, the report {want!r}"
 
 
+def test_default_counts_are_the_measured_runs():
+    """The README's "patches the N whose measured training step ... leaves the other M" and
+    transformers.md's "N of 17 families meet both targets; M are off by default" are
+    ``_measured``'s verdicts over the recorded run's families (config-only ones included)."""
+    from mlarope.integrations.transformers import _measured
+
+    off = [f for f in _measured.MEASURED if _measured.off_by_default(f)]
+    families = len(_measured.MEASURED)
+    on, left = one(r"patches the (\d+) whose\s+measured.*?leaves the other (\d+)", README,
+                   "README").groups()  # fmt: skip
+    meet, total, off_count = one(r"(\d+) of (\d+) families meet both targets; (\d+) are\s+off",
+                                 doc("transformers.md"), "transformers.md").groups()  # fmt: skip
+    assert (int(on), int(left)) == (families - len(off), len(off))
+    assert (int(meet), int(total), int(off_count)) == (families - len(off), families, len(off))
+
+
 # ------------------------------------------------------------------------ rope types and widths
 def test_rope_types():
     listed = one(r"every rope type transformers knows: ([a-z0-9, ]+);", README, "README")[1]
