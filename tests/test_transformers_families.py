@@ -27,8 +27,9 @@ Error model, model level (``y`` = logits and the gradient of every parameter, ea
   moves the outputs by O(1) relative, 10^5 times that (``test_negative_control``).
 - bf16: transformers' DeepSeek-style functions round three times in bf16 (``q * cos``,
   ``rotate_half(q) * sin``, the sum), DeepSeek-V2's and hy_v4_vl's once after fp32 math; mlarope
-  rounds once, to nearest (reference backend, GPU) or by truncation (Triton's interpreter: within
-  one bf16 unit rather than half). Every other bf16 operation of the network rounds values that
+  rounds once, to nearest, on every backend (Triton's interpreter included: the kernels round by
+  integer operations there, since its own conversion truncates). Every other bf16 operation of
+  the network rounds values that
   now differ slightly, so the two runs' errors against the fp64 run decorrelate: each is the
   network's bf16 noise, of the same size, and their difference is of that size too, not smaller.
   So each run is compared with the fp64 run of the same bf16-valued weights, by norm, per tensor:
@@ -256,45 +257,11 @@ def assert_bf16_close(patched, samples, truth, what):
     assert g <= G_BF16, f"{what}: all tensors together {g:.2f} times the unpatched noise"
 
 
-def _truncate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 -> bf16 by dropping the low 16 bits (round toward zero), as Triton's interpreter
-    stores; other casts as PyTorch does them."""
-    if dtype != torch.bfloat16 or x.dtype != torch.float32:
-        return x.to(dtype)
-    return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
-
-
-class _Narrow(torch.autograd.Function):
-    """fp32 result -> the output dtype, truncated; the gradient comes back exactly (fp32)."""
-
-    @staticmethod
-    def forward(ctx, x, dtype):
-        ctx.source = x.dtype
-        return _truncate(x, dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to(ctx.source), None
-
-
-class _Widen(torch.autograd.Function):
-    """A 16-bit input -> fp32 (exact); its fp32 gradient goes back truncated."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.source = x.dtype
-        return x.float()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _truncate(grad, ctx.source)
-
-
-def emulated(original, mapping: _rotation.Mapping, truncate: bool):
-    """transformers' own rotary function, computed in fp32 and rounded once to its result dtype
-    (to nearest, or by truncation as the interpreter stores): mlarope's error model, built from
-    transformers' code. A 16-bit result is what mlarope's kernel rounds, both ways (the forward
-    store and the gradient store); an fp32 result from 16-bit inputs is PyTorch's upcast."""
+def emulated(original, mapping: _rotation.Mapping):
+    """transformers' own rotary function, computed in fp32 and rounded once, to nearest, to its
+    result dtype: mlarope's error model, built from transformers' code. A 16-bit result is what
+    mlarope rounds, both ways (the forward store and the gradient store: the upcast's backward
+    rounds to nearest too); an fp32 result from 16-bit inputs is PyTorch's upcast."""
 
     def fn(q, k, *args, **kwargs):
         n_tables = 1 if mapping.complex_freqs else 2
@@ -309,25 +276,20 @@ def emulated(original, mapping: _rotation.Mapping, truncate: bool):
         def widen(x):
             if x is None or x.is_complex() or x.dtype == torch.float32:
                 return x
-            if truncate and x.requires_grad and result_dtype(x) == x.dtype:
-                return _Widen.apply(x)
             return x.float()
 
         q_out, k_out = original(widen(q), widen(k), *map(widen, tables), *rest, **kwargs)
-        narrow = (lambda x, d: _Narrow.apply(x, d)) if truncate else (lambda x, d: x.to(d))
-        return narrow(q_out, result_dtype(q)), None if k_out is None else narrow(
-            k_out, result_dtype(k)
-        )
+        return q_out.to(result_dtype(q)), None if k_out is None else k_out.to(result_dtype(k))
 
     return fn
 
 
-def run_emulated(monkeypatch, family: str, truncate: bool, fn):
+def run_emulated(monkeypatch, family: str, fn):
     fam = _patch.family(family)
     module = importlib.import_module(fam.module)
     with monkeypatch.context() as m:
         for name, mapping in fam.mappings.items():
-            m.setattr(module, name, emulated(getattr(module, name), mapping, truncate))
+            m.setattr(module, name, emulated(getattr(module, name), mapping))
         return fn()
 
 
@@ -398,9 +360,7 @@ def test_family_matches_transformers(family, dtype, device, monkeypatch):
     # where it is not bitwise (the GPU lane; bf16, where mlarope's one rounding differs from
     # transformers' three; DeepSeek-V2; the kernels under a fused-fma interpreter).
     truth = None if fp32 and all(bitwise.values()) else run(model64, ids, pos)
-    nearest = (
-        None if fp32 else run_emulated(monkeypatch, family, False, lambda: run(model, ids, pos))
-    )
+    nearest = None if fp32 else run_emulated(monkeypatch, family, lambda: run(model, ids, pos))
 
     # The reference backend runs CPU tensors with TRITON_INTERPRET off (read on every call); CUDA
     # tensors always run the kernels, so the GPU lane has the kernels only.
@@ -423,14 +383,9 @@ def test_family_matches_transformers(family, dtype, device, monkeypatch):
                 assert_fp32_close(patched, unpatched, truth, what)
             continue
         # On the CPU the error model is exact, bit for bit: fp32 math in transformers' own order
-        # (two products and a sum), then one rounding to the result dtype, to nearest
-        # (reference) or toward zero (the interpreter's store). In fp32 that is transformers.
-        if fp32:
-            want = unpatched
-        elif backend == "kernels":
-            want = run_emulated(monkeypatch, family, True, lambda: run(model, ids, pos))
-        else:
-            want = nearest
+        # (two products and a sum), then one rounding to the result dtype, to nearest (both
+        # backends store the same bits). In fp32 that is transformers.
+        want = unpatched if fp32 else nearest
         assert_identical(patched, want, f"{what} vs transformers' function in fp32")
 
 
@@ -460,7 +415,7 @@ def test_negative_control(dtype, device, monkeypatch):
         err = float((patched["output"].double() - unpatched["output"].double()).abs().max())
         assert err > 1000 * bounds["output"]
     else:
-        nearest = run_emulated(monkeypatch, family, False, lambda: run(model, _ids(8, device)))
+        nearest = run_emulated(monkeypatch, family, lambda: run(model, _ids(8, device)))
         ratios, g = bf16_ratios(patched, (unpatched, nearest), truth)
         assert max(ratios.values()) > 2 * C_BF16 and g > 5 * G_BF16, (max(ratios.values()), g)
 
