@@ -270,10 +270,15 @@ def test_from_hf_on_the_mla_families():
         config = getattr(transformers, name)()
         if getattr(config, "rope_parameters", None) is None or not config.qk_rope_head_dim:
             continue  # MLA without rotary embedding (glm5_next, kimi_linear)
-        nested = set(config.rope_parameters) <= set(getattr(config, "layer_types", ()) or ())
-        for layer_type in sorted(set(config.layer_types)) if nested else (None,):
+        # nested by layer type (dots3_note) or by rope type (deepseek_v4: main, compress)
+        nested = sorted(k for k, v in config.rope_parameters.items() if isinstance(v, dict))
+        for layer_type in nested or (None,):
             cfg = RopeConfig.from_hf(config, layer_type=layer_type)
-            widths = config.per_layer_config[layer_type] if layer_type else config
+            widths = config
+            if layer_type is not None and layer_type in (
+                getattr(config, "layer_types", None) or ()
+            ):
+                widths = config.per_layer_config[layer_type]  # per-layer widths (dots3_note)
             assert cfg.dim == widths.qk_rope_head_dim, (model_type, layer_type)
             cos, _ = cfg.cos_sin(8)
             assert cos.shape == (8, cfg.dim)
@@ -336,6 +341,122 @@ def test_validation(kwargs, exc, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+# --------------------------------------------------------------------------- DeepSeek-V4
+
+# The compressed layers' YaRN, as DeepSeek-V4's config describes it (factor 16 on
+# compress_rope_theta 160000); its config sets attention_factor 1.0 where YaRN's rule would
+# give m(16) = 1.277.
+V4_YARN = {
+    "type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+    "beta_slow": 1,
+}  # fmt: skip
+
+
+def v4_config(**rope_scaling):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip("no DeepSeek-V4 in this transformers")
+    return transformers.DeepseekV4Config(num_hidden_layers=2, rope_scaling=rope_scaling or None)
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {},
+        V4_YARN,
+        # with mscale: still attention factor 1.0; truncate=False in the nested dict, which
+        # transformers does not read (it reads the top-level dict's, absent: True)
+        {**V4_YARN, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False},
+    ],
+    ids=["default", "yarn", "yarn_mscale_truncate"],
+)
+@pytest.mark.parametrize("layer_type", ["main", "compress"])
+def test_deepseek_v4_rope_sets_match_transformers(layer_type, rope_scaling):
+    """DeepSeek-V4's two rope sets: "main" (rope_theta, plain) and "compress" (its own theta,
+    the YaRN parameters, attention factor 1.0), against transformers' DeepseekV4RotaryEmbedding
+    (half-width tables, one entry per pair: the first half of mlarope's) within transformers'
+    fp32 error, derived as in test_matches_transformers; the exact rounding of mlarope's own
+    tables is the rope type's (tested above)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    config = v4_config(**rope_scaling)
+    cfg = RopeConfig.from_hf(config, layer_type=layer_type)
+    rotary = hf.DeepseekV4RotaryEmbedding(config)
+    half = R // 2
+    assert cfg.dim == config.qk_rope_head_dim == R
+    yarn = layer_type == "compress" and bool(rope_scaling)
+    assert cfg.rope_type == ("yarn" if yarn else "default")
+    assert cfg.base == (
+        config.compress_rope_theta if layer_type == "compress" else config.rope_theta
+    )
+    att = getattr(rotary, f"{layer_type}_attention_scaling")
+    assert cfg.attention_scaling == att == 1.0
+    if yarn:
+        assert cfg.yarn.factor == 16 and cfg.yarn.truncate  # transformers' reading
+    inv_hf = getattr(rotary, f"{layer_type}_inv_freq").double()
+    inv = cfg.inv_freq()
+    if yarn:
+        low, high = cfg.yarn.correction_range()
+        x64 = cfg.base ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+        weight = (abs(low) / max(high - low, 1e-3) + 5) * U
+        inv_bound = inv * (math.log(cfg.base) + 6) * U + x64 * weight
+    else:
+        inv_bound = inv * (math.log(cfg.base) + 6) * U
+    d_inv = (inv_hf - inv).abs()
+    assert (d_inv <= inv_bound).all(), f"{layer_type}: inv_freq {(d_inv / inv_bound).max()}"
+
+    cos_hf, sin_hf = rotary(torch.zeros(1), torch.arange(P)[None], layer_type=layer_type)
+    assert cos_hf.shape == (1, P, half)
+    cos, sin = cfg.cos_sin(P)
+    assert torch.equal(cos[:, :half], cos[:, half:])  # cat(cos, cos) of the half-width table
+    r = rows(P)
+    pf = r.double()[:, None]
+    tol = att * (pf * d_inv + U * pf * inv + 5 * U)
+    for name, theirs, ours in (("cos", cos_hf[0, r], cos[r]), ("sin", sin_hf[0, r], sin[r])):
+        err = (theirs.double() - ours[:, :half].double()).abs()
+        assert (err <= tol).all(), f"{layer_type} {name}: {(err / tol).max().item()}"
+
+
+def test_deepseek_v4_sets_differ():
+    """The two sets are two tables (another base; YaRN's blend), and a V4 config read without a
+    layer_type is refused rather than read as one of them (it gave "main"'s table)."""
+    config = v4_config(**V4_YARN)
+    main = RopeConfig.from_hf(config, layer_type="main")
+    compress = RopeConfig.from_hf(config, layer_type="compress")
+    assert main != compress and not torch.equal(main.cos_sin(64)[1], compress.cos_sin(64)[1])
+    with pytest.raises(ValueError, match=r"nested by layer type \(\['compress', 'main'\]\)"):
+        RopeConfig.from_hf(config)
+
+
+@pytest.mark.parametrize(
+    ("config", "layer_type", "exc", "words"),
+    [
+        ("v4", "sliding_attention", ValueError,
+         ["layer_type 'sliding_attention' is not a key", "['compress', 'main']"]),
+        ("v4", 1, TypeError, ["layer_type must be a str", "int 1"]),
+        ("v4", None, ValueError, ["nested by layer type", "pass layer_type"]),
+        ("flat", "main", ValueError,
+         ["layer_type must be None for this config", "layer_type='main'"]),
+        ("flat", b"main", TypeError, ["layer_type must be a str", "bytes b'main'"]),
+        ("gemma3", None, ValueError, ["['full_attention', 'sliding_attention']"]),
+    ],
+)  # fmt: skip
+def test_from_hf_layer_type_validation(config, layer_type, exc, words):
+    """``layer_type`` names a key of nested rope parameters, and only there; each error names
+    the value (a nested config read without one said "no rope_theta", or read the wrong set)."""
+    transformers = pytest.importorskip("transformers")
+    if config == "v4":
+        config = v4_config(**V4_YARN)
+    elif config == "flat":
+        config = hf_config("default")
+    else:
+        config = transformers.Gemma3TextConfig()
+    with pytest.raises(exc) as info:
+        RopeConfig.from_hf(config, layer_type=layer_type)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
 def test_from_hf_validation():
     with pytest.raises(TypeError, match="transformers model config"):
         RopeConfig.from_hf({"rope_type": "default"})
@@ -343,7 +464,7 @@ def test_from_hf_validation():
     config.rope_parameters = {"rope_type": "mrope", "rope_theta": 1e4}
     with pytest.raises(ValueError, match="rope_type 'mrope' is not one of"):
         RopeConfig.from_hf(config)
-    with pytest.raises(ValueError, match="layer_type 'sliding' is not a key"):
+    with pytest.raises(ValueError, match=r"layer_type must be None for this config.*'sliding'"):
         RopeConfig.from_hf(hf_config("default"), layer_type="sliding")
     cfg = RopeConfig(dim=8)
     with pytest.raises(ValueError, match="seq_len"):

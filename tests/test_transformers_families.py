@@ -27,8 +27,9 @@ Error model, model level (``y`` = logits and the gradient of every parameter, ea
   moves the outputs by O(1) relative, 10^5 times that (``test_negative_control``).
 - bf16: transformers' DeepSeek-style functions round three times in bf16 (``q * cos``,
   ``rotate_half(q) * sin``, the sum), DeepSeek-V2's and hy_v4_vl's once after fp32 math; mlarope
-  rounds once, to nearest, on every backend. Every other bf16 operation of the network rounds
-  values that
+  rounds once, to nearest, on every backend (Triton's interpreter included: the kernels round by
+  integer operations there, since its own conversion truncates). Every other bf16 operation of
+  the network rounds values that
   now differ slightly, so the two runs' errors against the fp64 run decorrelate: each is the
   network's bf16 noise, of the same size, and their difference is of that size too, not smaller.
   So each run is compared with the fp64 run of the same bf16-valued weights, by norm, per tensor:
@@ -47,7 +48,14 @@ Error model, model level (``y`` = logits and the gradient of every parameter, ea
   their rotation, matters there.
 
 Every rotation is counted: each call of a family's rotary function in the unpatched run must reach
-``mlarope.apply_rope_q`` in the patched one (once for ``q``, once for ``k`` unless it is None).
+``mlarope.apply_rope_q`` in the patched one (once for ``q``, once for ``k`` unless it is None; once
+for the one tensor of a one-tensor function such as DeepSeek-V4's, whose calls rotate ``q``, the
+kv head, every compressor's entries and, with ``-sin``, the attention output).
+
+DeepSeek-V4 computes its rotation in fp32 and rounds once to ``x.dtype``, as mlarope does: its
+patched runs are bit for bit its unpatched ones on the CPU (the bf16 bounds above hold a fortiori).
+A composite model type (``kimi_k25``: a multimodal config whose ``text_config`` is a DeepSeek-V3
+config) is built as the composite, with a tiny text config of the family that serves it.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import importlib.util
 import math
 
 import pytest
@@ -117,23 +126,58 @@ OVERRIDES = {
         head_dim=32, num_layers=1, ffn_hidden_size=96, expert_ffn_hidden_size=32, moe_topk=4,
         zero_expert_num=0,
     ),
+    # One layer of each attention type (sliding: the "main" rope set; CSA with its compressor
+    # and indexer, HCA with its compressor: "compress"), compression rates small enough that
+    # the sequences close windows (prefill and decode), a sliding window shorter than them, and
+    # an indexer top-k below the fp32 run's 6 CSA entries (all of bf16's 4). Head [nope 16 |
+    # rope 32]: qk_rope_head_dim (BASE) sets the partial rotary factor 32 / 48.
+    "deepseek_v4": dict(
+        head_dim=48, num_key_value_heads=1, num_hidden_layers=3,
+        layer_types=[
+            "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=4, index_topk=4, o_groups=2,
+        o_lora_rank=16, hc_mult=2,
+    ),
+    # The composite's own parts, tiny (its text config is the serving family's, from BASE).
+    "kimi_k25": dict(
+        vision_config=dict(
+            num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+            pos_emb_height=4, pos_emb_width=4, pos_emb_time=1,
+        ),
+        projection_hidden_size=32,
+    ),
 }
 # fmt: on
 
 
 def build_model_type(row: mt.FamilyStatus) -> str:
-    """The model type whose config has the MLA widths: the row itself for a config-only family,
-    else the family's (text) model type with a ``kv_lora_rank`` config."""
+    """The model type whose config has the MLA widths: the row itself for a config-only family
+    or a composite, else the family's (text) model type with an MLA config."""
     configs = _patch.discovery().config_classes
     if row.runs_on is not None:
         return row.name
     return next(t for t in row.model_types if t in configs)
 
 
+def tiny_config(model_type: str):
+    """The tiny config of an MLA model type (BASE and its OVERRIDES); a composite's holds the
+    tiny config of its sub-model type as that sub-config."""
+    found = _patch.discovery()
+    composite = found.composites.get(model_type)
+    if composite is None:
+        config_class = getattr(transformers, found.config_classes[model_type])
+        return config_class(**{**BASE, **OVERRIDES.get(model_type, {})})
+    sub_type = composite.sub_model_type
+    sub = {"model_type": sub_type, **BASE, **OVERRIDES.get(sub_type, {})}
+    config_class = getattr(transformers, composite.config_class)
+    return config_class(**{composite.sub_config: sub}, **OVERRIDES.get(model_type, {}))
+
+
 def tiny_model(row: mt.FamilyStatus, dtype: torch.dtype, device, *, seed: int = 0):
     model_type = build_model_type(row)
-    config_class = getattr(transformers, _patch.discovery().config_classes[model_type])
-    config = config_class(**{**BASE, **OVERRIDES.get(model_type, {})})
+    config = tiny_config(model_type)
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"  # grouped_mm has no fp64 kernel
     names = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES)
@@ -179,6 +223,7 @@ class CallCounter:
         self.monkeypatch = monkeypatch
         self.module = importlib.import_module(_patch.family(family).module)
         self.names = list(_patch.family(family).mappings)
+        self.one_tensor = {n: m.one_tensor for n, m in _patch.family(family).mappings.items()}
         self.rotated, self.mlarope = 0, 0
         for name, tensors in (("apply_rope_q", 1), ("apply_rope_qk", 2)):
             real = getattr(mlarope, name)
@@ -193,15 +238,15 @@ class CallCounter:
         """Run ``fn`` with the module's (unpatched) functions counting their tensors."""
         originals = {n: getattr(self.module, n) for n in self.names}
 
-        def wrap(original):
-            def counted(q, k, *args, **kwargs):
-                self.rotated += 1 if k is None else 2
-                return original(q, k, *args, **kwargs)
+        def wrap(original, one_tensor):
+            def counted(x, *args, **kwargs):
+                self.rotated += 1 if one_tensor or args[0] is None else 2
+                return original(x, *args, **kwargs)
 
             return counted
 
         for n, f in originals.items():
-            self.monkeypatch.setattr(self.module, n, wrap(f))
+            self.monkeypatch.setattr(self.module, n, wrap(f, self.one_tensor[n]))
         try:
             return fn()
         finally:
@@ -257,12 +302,14 @@ def assert_bf16_close(patched, samples, truth, what):
 
 
 def emulated(original, mapping: _rotation.Mapping):
-    """transformers' own rotary function, computed in fp32 and rounded once to nearest to its
-    result dtype: mlarope's error model, built from transformers' code, on every backend (the
-    kernels round to nearest under Triton's interpreter too: kernels/rotation.py). An fp32
-    result from 16-bit inputs is PyTorch's upcast."""
+    """transformers' own rotary function, computed in fp32 and rounded once, to nearest, to its
+    result dtype: mlarope's error model, built from transformers' code. A 16-bit result is what
+    mlarope rounds, both ways (the forward store and the gradient store: the upcast's backward
+    rounds to nearest too); an fp32 result from 16-bit inputs is PyTorch's upcast."""
 
     def fn(q, k, *args, **kwargs):
+        if mapping.one_tensor:  # f(x, cos, sin, ...): q is x, k and args[0] the tables
+            return one_tensor(q, k, *args, **kwargs)
         n_tables = 1 if mapping.complex_freqs else 2
         tables, rest = args[:n_tables], args[n_tables:]
         table_dtype = tables[0].real.dtype if tables[0].is_complex() else tables[0].dtype
@@ -279,6 +326,12 @@ def emulated(original, mapping: _rotation.Mapping):
 
         q_out, k_out = original(widen(q), widen(k), *map(widen, tables), *rest, **kwargs)
         return q_out.to(result_dtype(q)), None if k_out is None else k_out.to(result_dtype(k))
+
+    def one_tensor(x, cos, sin, *rest, **kwargs):
+        want = (
+            x.dtype if mapping.result_dtype == "input" else torch.promote_types(x.dtype, cos.dtype)
+        )
+        return original(x.float(), cos.float(), sin.float(), *rest, **kwargs).to(want)
 
     return fn
 
@@ -382,8 +435,8 @@ def test_family_matches_transformers(family, dtype, device, monkeypatch):
                 assert_fp32_close(patched, unpatched, truth, what)
             continue
         # On the CPU the error model is exact, bit for bit: fp32 math in transformers' own order
-        # (two products and a sum), then one rounding to nearest to the result dtype, on both
-        # backends. In fp32 that is transformers.
+        # (two products and a sum), then one rounding to the result dtype, to nearest (both
+        # backends store the same bits). In fp32 that is transformers.
         want = unpatched if fp32 else nearest
         assert_identical(patched, want, f"{what} vs transformers' function in fp32")
 
@@ -431,6 +484,10 @@ def test_every_family_is_patched_or_has_a_reason():
     assert set(found.modules) <= set(REPORT), "an MLA modeling module is missing from the report"
     for model_type, package in found.config_only.items():
         assert REPORT[model_type].runs_on == package
+    for model_type, composite in found.composites.items():
+        row = REPORT[model_type]
+        assert row.runs_on == composite.package and composite.sub_config in row.through
+        assert row.status == REPORT[composite.package].status
     for model_type in found.config_classes:
         assert any(model_type in row.model_types for row in REPORT.values()), model_type
     for name, row in REPORT.items():
@@ -453,8 +510,9 @@ def test_the_families_of_transformers_5_24_are_found():
         pytest.skip(f"transformers {transformers.__version__}: fewer families than 5.24")
     patched = {
         "axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32",
-        "dots3_note", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "longcat_flash",
-        "minicpm3", "mistral4", "mistral_large4", "sarvam_mla", "youtu",
+        "deepseek_v4", "dots3_note", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "hy_v4_vl",
+        "kimi_k25", "longcat_flash", "minicpm3", "mistral4", "mistral_large4", "sarvam_mla",
+        "youtu",
     }  # fmt: skip
     assert patched <= set(PATCHED)
     for name in ("glm5_next", "kimi_linear"):
@@ -468,6 +526,31 @@ def test_the_families_of_transformers_5_24_are_found():
     assert "k may be None" in REPORT["mistral_large4"].functions[0].short
     indexer = {f.name: f.callers for f in REPORT["deepseek_v32"].functions}
     assert indexer["apply_rotary_pos_emb"] == ("DeepseekV32Indexer (unsqueeze_dim=2)",)
+    # DeepSeek-V4: one function of one tensor, called by the attention (q, kv, the output's
+    # inverse), both compressors and the indexer (on their own rotary embedding's tables)
+    v4 = REPORT["deepseek_v4"]
+    assert v4.attention == ("DeepseekV4Attention",)  # its indexer reads q_lora_rank too
+    (f,) = v4.functions
+    assert f.name == "apply_rotary_pos_emb" and set(f.callers) == {
+        "DeepseekV4Attention", "DeepseekV4CSACompressor", "DeepseekV4HCACompressor",
+        "DeepseekV4Indexer",
+    }  # fmt: skip
+    assert f.short == (
+        "interleaved -> interleaved, half-width tables, result x.dtype, one tensor: its "
+        "trailing rope channels"
+    )
+    # Composite model types: served by the family of their text config; the others of the
+    # DeepSeek line carry no MLA (deepseek_ocr2's text model is multi-head attention,
+    # deepseek_vl and deepseek_vl_hybrid's text config is llama's)
+    kimi = REPORT["kimi_k25"]
+    assert (kimi.runs_on, kimi.module, kimi.status) == (
+        "deepseek_v3",
+        REPORT["deepseek_v3"].module,
+        "patched",
+    )
+    assert kimi.through == "its text_config (deepseek_v3 by default)"
+    assert "kimi_k25" in REPORT["deepseek_v3"].model_types
+    assert not {"deepseek_ocr2", "deepseek_vl", "deepseek_vl_hybrid"} & set(REPORT)
 
 
 @pytest.mark.parametrize("family", sorted(REPORT))
@@ -490,10 +573,14 @@ def test_no_rotary_call_is_missed(family, device, monkeypatch):
             monkeypatch.setattr(module, name, spy)
     model = tiny_model(row, torch.float32, device)
     # DeepSeek-V3-style attention calls one of two functions, as config.rope_interleave says
-    settings = (True, False) if hasattr(model.config, "rope_interleave") else (None,)
+    # (the text model's config, in a composite)
+    configs = [
+        m.config for m in model.modules() if hasattr(getattr(m, "config", None), "rope_interleave")
+    ]
+    settings = (True, False) if configs else (None,)
     for interleave in settings:
-        if interleave is not None:
-            model.config.rope_interleave = interleave
+        for config in configs:
+            config.rope_interleave = interleave
         with torch.no_grad():
             model(input_ids=_ids(8, device))
     assert called == listed
@@ -536,6 +623,126 @@ class Vision:
     assert found.functions == ("rope_a", "rope_b")
     assert found.calls[1].keywords == (("unsqueeze_dim", 2),)
     assert _discovery.scan_modeling_source("class A: pass", "x", "x.m") is None
+
+
+def test_discovery_follows_the_modules_own_rotary_embedding():
+    """DeepSeek-V4's shape: an attention that reads q_lora_rank only, compressors built through
+    a module-level table of classes, each owning the module's rotary embedding (the class whose
+    output the model hands its layers as position_embeddings) and rotating its entries by a call
+    of it; a class that reads q_lora_rank but is built by the attention is not an attention; a
+    rotary module the model does not hand on (a vision tower's) taints nothing."""
+    source = """
+def rope_one(x, cos, sin, unsqueeze_dim=1): ...
+def vision_rope(x, cos, sin): ...
+
+class Rotary:
+    def forward(self, x, position_ids, layer_type=None): ...
+
+class VisionRotary:
+    def forward(self, x): ...
+
+class Indexer:
+    def __init__(self, config):
+        self.q_b_proj = Linear(config.q_lora_rank, 8)
+        self.rotary_emb = Rotary(config)
+        self.vision = VisionRotary()
+    def forward(self, hidden, position_ids):
+        cos_q, sin_q = self.rotary_emb(hidden, position_ids=position_ids)
+        q = rope_one(hidden, cos_q, sin_q)
+        return q, vision_rope(hidden, *self.vision(hidden))
+
+class Compressor:
+    def __init__(self, config):
+        self.rotary_emb = Rotary(config)
+        self.indexer = Indexer(config)
+    def forward(self, hidden, positions):
+        return rope_one(hidden, *self.rotary_emb(hidden, positions, layer_type="compress"))
+
+COMPRESSORS = {"sliding": None, "compressed": Compressor}
+
+class MyAttention:
+    def __init__(self, config):
+        self.q_a_proj = Linear(8, config.q_lora_rank)
+        self.compressor = COMPRESSORS[config.layer_type](config)
+    def forward(self, hidden, position_embeddings):
+        cos, sin = position_embeddings["main"]
+        o = rope_one(hidden, cos, sin)
+        return rope_one(o, cos, -sin)
+
+class MyModel:
+    def __init__(self, config):
+        self.rotary_emb = Rotary(config)
+        self.vision_rotary = VisionRotary()
+    def forward(self, x, position_ids):
+        position_embeddings = {"main": self.rotary_emb(x, position_ids, layer_type="main")}
+        return self.layer(x, position_embeddings=position_embeddings)
+"""
+    from mlarope.integrations.transformers import _discovery
+
+    found = _discovery.scan_modeling_source(source, "toy", "toy.modeling_toy")
+    assert found.attention == ("MyAttention",)
+    assert {"Compressor", "Indexer", "Rotary"} <= set(found.builds)
+    assert found.functions == ("rope_one",)
+    assert {c.caller for c in found.calls} == {"MyAttention", "Compressor", "Indexer"}
+
+
+def _write(root, package, files):
+    folder = root / "models" / package
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def test_composites_are_found_from_their_sub_configs_and_code(tmp_path):
+    """A composite config whose sub-config is an MLA model type by default (by model type, or
+    by config class) is served by that family when its model builds the sub-model from it; a
+    composite whose model does not (another use of the field), or whose sub-config is not MLA,
+    is not listed."""
+    from mlarope.integrations.transformers import _discovery
+
+    builds = (
+        "class M:\n"
+        "    def __init__(self, config):\n"
+        "        self.lm = AutoModel.from_config(config.text_config)\n"
+    )
+    spec = (
+        "class {}Config:\n"
+        '    sub_configs_defaults = {{"text_config": SubConfigSpec(config_class=AutoConfig, '
+        'model_type="{}"), "vision_config": VisionConfig}}\n'
+    )
+    _write(
+        tmp_path,
+        "multi",
+        {"configuration_multi.py": spec.format("Multi", "mla"), "modeling_multi.py": builds},
+    )
+    _write(
+        tmp_path,
+        "other",
+        {
+            "configuration_other.py": spec.format("Other", "mla"),
+            "modeling_other.py": "class M:\n    text_config = None\n",
+        },
+    )
+    _write(
+        tmp_path,
+        "plain",
+        {"configuration_plain.py": spec.format("Plain", "llama"), "modeling_plain.py": builds},
+    )
+    by_class = 'class ByclassConfig:\n    sub_configs = {"text_config": MlaConfig}\n'
+    _write(
+        tmp_path, "byclass", {"configuration_byclass.py": by_class, "modeling_byclass.py": builds}
+    )
+    config_types = {
+        "multi": "MultiConfig", "other": "OtherConfig", "plain": "PlainConfig",
+        "byclass": "ByclassConfig", "mla": "MlaConfig", "llama": "LlamaConfig",
+    }  # fmt: skip
+    found = _discovery._composites(tmp_path, config_types, {"mla": "mla_pkg"}, lambda t: t)
+    assert found == {
+        "multi": _discovery.Composite("multi", "MultiConfig", "text_config", "mla", "mla_pkg"),
+        "byclass": _discovery.Composite(
+            "byclass", "ByclassConfig", "text_config", "mla", "mla_pkg"
+        ),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,6 +789,50 @@ def _fp32_interleaved(q, k, cos, sin, unsqueeze_dim=1):
     return rot(q), None if k is None else rot(k)
 
 
+def _interleaved_pairs(x):
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+
+
+def _v4_style(x, cos, sin, unsqueeze_dim=1):
+    """DeepSeek-V4's: the trailing 2 * cos.shape[-1] channels, interleaved in and out,
+    half-width tables, fp32 math, result x.dtype; the leading channels passed through."""
+    cos = cos.repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+    sin = sin.repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    rotated = (rope.float() * cos + _interleaved_pairs(rope).float() * sin).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def _one_half_split(x, cos, sin, unsqueeze_dim=1):
+    """One tensor, half-split pairs, full-width tables: its trailing cos.shape[-1] channels."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+    return torch.cat([x[..., :-r], x[..., -r:] * cos + _rotate_half(x[..., -r:]) * sin], dim=-1)
+
+
+def _one_leading(x, cos, sin, unsqueeze_dim=1):
+    """Rotates the leading channels and passes the trailing ones: not a trailing slice."""
+    cos = cos.repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+    sin = sin.repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+    rope, rest = x[..., :r], x[..., r:]
+    return torch.cat([rope * cos + _interleaved_pairs(rope) * sin, rest], dim=-1)
+
+
+def _one_inverse(x, cos, sin, unsqueeze_dim=1):
+    """The opposite angle, in the function itself: another formula (a caller's ``-sin`` is just
+    another table)."""
+    return _v4_style(x, cos, -sin, unsqueeze_dim)
+
+
+def _one_needs_nope(x, cos, sin, unsqueeze_dim=1):
+    """Right on [nope | rope], but it refuses a head of rope channels only."""
+    if x.shape[-1] == 2 * cos.shape[-1]:
+        raise ValueError("no nope channels")
+    return _v4_style(x, cos, sin, unsqueeze_dim)
+
+
 @pytest.mark.parametrize(
     "fn, expected",
     [
@@ -595,8 +846,17 @@ def _fp32_interleaved(q, k, cos, sin, unsqueeze_dim=1):
         (lambda q, k, cos, sin: 1 / 0, "it raised on the probe input (ZeroDivisionError"),
         (lambda q, k, cos, sin, unsqueeze_dim=1: _half_split(q, k, cos, sin),
          "not with unsqueeze_dim=2"),
+        (_v4_style, "interleaved -> interleaved, half-width tables, result x.dtype, one tensor"),
+        (_one_half_split, "half-split -> half-split, one tensor: its trailing rope channels"),
+        (_one_leading, "as one tensor (x, cos, sin): no exact mlarope mapping"),
+        (_one_inverse, "as one tensor (x, cos, sin): no exact mlarope mapping"),
+        (_one_needs_nope, "but not on a head of its rope channels only: ValueError"),
+        (lambda x, cos, sin, unsqueeze_dim=1: _v4_style(x, cos, sin),
+         "but not on unsqueeze_dim=2"),
     ],
-    ids=["half_split", "fp32_interleaved", "partial", "inverse", "signature", "raises", "dim2"],
+    ids=["half_split", "fp32_interleaved", "partial", "inverse", "signature", "raises", "dim2",
+         "one_tensor_v4", "one_tensor_half_split", "one_tensor_leading", "one_tensor_inverse",
+         "one_tensor_needs_nope", "one_tensor_dim2"],
 )  # fmt: skip
 def test_probe_maps_exact_functions_only(fn, expected):
     from mlarope.integrations.transformers import _probe
@@ -627,13 +887,17 @@ def test_probe_finds_the_dtype_rule_for_mixed_query_and_key():
 def test_mixed_query_and_key_dtypes(family, device):
     """A bf16 query beside an fp32 key, or the reverse (autocast around an indexer): each
     patched function returns transformers' dtypes and its values within one rounding of the
-    result dtype (hy_v4_vl returns both in q's dtype, where a per-input rule kept k's)."""
+    result dtype (hy_v4_vl returns both in q's dtype, where a per-input rule kept k's). A
+    one-tensor function: a bf16 ``x`` with fp32 tables and the reverse."""
     fam = _patch.family(family)
     module = importlib.import_module(fam.module)
     gen = torch.Generator().manual_seed(7)
     for name, mapping in fam.mappings.items():
         original = getattr(module, name)
         rope = 64
+        if mapping.one_tensor:
+            _one_tensor_dtypes(module, name, mapping, family, gen, device)
+            continue
         for q_dtype, k_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
             q = torch.randn(2, 3, 5, rope, generator=gen).to(q_dtype).to(device)
             k = torch.randn(2, 1, 5, rope, generator=gen).to(k_dtype).to(device)
@@ -652,6 +916,24 @@ def test_mixed_query_and_key_dtypes(family, device):
                 ulp = torch.finfo(w.dtype).eps * float(w.double().abs().max())
                 err = float((g.double() - w.double()).abs().max())
                 assert err <= 2 * ulp, (name, q_dtype, k_dtype, what, err, ulp)
+
+
+def _one_tensor_dtypes(module, name, mapping, family, gen, device):
+    original = getattr(module, name)
+    rope, nope = 64, 16
+    width = rope // 2 if mapping.half_width_tables else rope
+    for x_dtype, table_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        x = torch.randn(2, 3, 5, nope + rope, generator=gen).to(x_dtype).to(device)
+        angles = torch.rand(2, 5, width, generator=gen, dtype=torch.float64) * 6
+        cos, sin = (t.to(table_dtype).to(device) for t in (angles.cos(), angles.sin()))
+        want = original(x, cos, sin)
+        with mt.mlarope_patched(family):
+            got = getattr(module, name)(x, cos, sin)
+        assert got.dtype == want.dtype, (name, x_dtype, table_dtype, got.dtype, want.dtype)
+        ulp = torch.finfo(want.dtype).eps * float(want.double().abs().max())
+        err = float((got.double() - want.double()).abs().max())
+        assert err <= 2 * ulp, (name, x_dtype, table_dtype, err, ulp)
+        assert torch.equal(got[..., :nope], want[..., :nope]), "the nope channels are copied"
 
 
 def test_apply_over_another_librarys_wrapper_keeps_transformers_function():
@@ -849,3 +1131,181 @@ def test_info_lists_the_families(capsys, monkeypatch, tmp_path):
         line = next(line for line in first.splitlines() if line.startswith(name + " "))
         assert row.status in line, line
     assert "glm5_next" in first and "nothing to patch" in first
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4: decoding through its caches, the tables it prepares, what falls back
+# ---------------------------------------------------------------------------------------------
+
+V4 = "deepseek_v4"
+# By the installed code, not the report: a release with deepseek_v4 must have it in the report.
+needs_v4 = pytest.mark.skipif(
+    importlib.util.find_spec(f"transformers.models.{V4}") is None,
+    reason="no deepseek_v4 in this transformers",
+)
+
+
+@pytest.fixture
+def rope_tensors(monkeypatch):
+    """The shapes of the tensors that reach mlarope (a silent fallback to transformers is
+    visible): ``apply_rope_q`` rotates one, ``apply_rope_qk`` two."""
+    shapes = []
+    for name, tensors in (("apply_rope_q", 1), ("apply_rope_qk", 2)):
+        real = getattr(mlarope, name)
+
+        def counting(*args, _real=real, _tensors=tensors, **kwargs):
+            shapes.extend(tuple(t.shape) for t in args[:_tensors])
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mlarope, name, counting)
+    return shapes
+
+
+@needs_v4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_deepseek_v4_generate(dtype, device, monkeypatch):
+    """``generate`` with V4's caches (the sliding window, each compressor's buffer and entries,
+    windows closing during decode, so the compressors and indexer rotate there too) along a
+    forced continuation, so every run decodes the same tokens: each step's logits of the
+    patched model, on both backends, are the unpatched model's bit for bit on the CPU (V4 rotates
+    in fp32 and rounds once, as mlarope does), elsewhere within the bounds of the module
+    docstring against an fp64 run; every rotation of every step goes through mlarope."""
+    model = tiny_model(REPORT[V4], dtype, device).eval()
+    prompt, new = _ids(5, device), 7
+    forced = torch.randint(3, 128, (2, new), generator=torch.Generator().manual_seed(3))
+
+    def allowed(batch_id, input_ids):
+        return [int(forced[batch_id, input_ids.shape[-1] - prompt.shape[-1]])]
+
+    def steps(m):
+        with torch.no_grad():
+            out = m.generate(
+                prompt, max_new_tokens=new, do_sample=False, prefix_allowed_tokens_fn=allowed,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        assert torch.equal(out.sequences[:, prompt.shape[-1] :].cpu(), forced)
+        return {f"step {i}": logits for i, logits in enumerate(out.logits)}
+
+    counter = CallCounter(monkeypatch, V4)
+    unpatched = counter.expected(lambda: steps(model))
+    truth = steps(copy.deepcopy(model).double())
+    cpu = torch.device(device).type == "cpu"
+    for backend in ("kernels", "reference") if cpu else ("kernels",):
+        with monkeypatch.context() as m:
+            if backend == "reference":
+                m.setenv("TRITON_INTERPRET", "0")
+            with mt.mlarope_patched(V4):
+                counter.mlarope = 0
+                patched = steps(model)
+        assert counter.mlarope == counter.rotated > 0, (backend, counter.mlarope)
+        what = f"deepseek_v4 generate {backend} {dtype}"
+        if cpu and (backend == "reference" or not interpreter_fma_rounds_once()):
+            assert_identical(patched, unpatched, what)
+        elif dtype == torch.float32:
+            assert_fp32_close(patched, unpatched, truth, what)
+        else:
+            assert_bf16_close(patched, (unpatched,), truth, what)
+
+
+@needs_v4
+def test_deepseek_v4_model_tables_are_prepared_once_per_forward(device, monkeypatch):
+    """The tables the model hands its layers ("main", "compress") are made ready for mlarope
+    (``cat(cos, cos)``) once per forward, though the compressors, the indexer and the inverse
+    call (a fresh ``-sin``) rotate by tables of their own between the layers (with one entry
+    kept, "compress" was made again in every compressed layer after the first)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    model = tiny_model(REPORT[V4], torch.float32, device).eval()
+    handed = {}
+
+    def hand(module, args, kwargs):
+        cos, sin = kwargs["position_embeddings"][module.rope_layer_type]
+        handed[module.rope_layer_type] = (cos, sin)
+
+    for layer in model.modules():
+        if isinstance(layer, v4.DeepseekV4Attention):
+            layer.register_forward_pre_hook(hand, with_kwargs=True)
+    made = []
+    real = _rotation._make_tables
+
+    def making(sources, rows, kind):
+        made.append(tuple(map(id, sources)))
+        return real(sources, rows, kind)
+
+    monkeypatch.setattr(_rotation, "_make_tables", making)
+    with mt.mlarope_patched(V4), torch.no_grad():
+        model(input_ids=_ids(12, device))
+    assert set(handed) == {"main", "compress"}
+    for name, (cos, sin) in handed.items():
+        assert made.count((id(cos), id(sin))) == 1, (name, made)
+    assert len(made) > len(handed)  # the tables of the compressors, indexer and inverse calls
+
+
+def test_kept_tables_are_released_with_their_sources():
+    """Tables kept for reuse hold no memory past the tensors they were made from (a model's
+    forward): they are dropped when those are freed (one entry used to be held until the next
+    call, whatever its size)."""
+    import weakref
+
+    prepared = _rotation._Prepared()
+    cos, sin = torch.randn(2, 1, 8, 16).unbind(0)
+    for _ in range(2):  # made, then reused: kept
+        tables = prepared.get((cos, sin), 8, "half_width")
+    assert tables[0].shape == (8, 32)
+    alive = weakref.ref(tables[0])
+    del tables
+    assert alive() is not None  # kept while its sources live
+    del cos, sin
+    assert alive() is None
+
+
+@needs_v4
+def test_deepseek_v4_inverse_call_and_fallbacks(device, rope_tensors):
+    """The output's inverse rotation ``f(o, cos, -sin)`` is mlarope's ``inverse=True`` rotation
+    by ``(cos, sin)``, bit for bit (negating a table is exact); calls mlarope cannot take go to
+    transformers' function unchanged: a rope width of 48, tables that require grad, a head
+    narrower than its rotation."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    original = v4.apply_rotary_pos_emb
+    gen = torch.Generator().manual_seed(5)
+    o = torch.randn(2, 3, 5, 16 + 64, generator=gen).to(device)
+    angles = torch.rand(1, 5, 32, generator=gen, dtype=torch.float64).to(device) * 6
+    cos, sin = angles.cos().float(), angles.sin().float()
+    with mt.mlarope_patched(V4):
+        got = v4.apply_rotary_pos_emb(o, cos, -sin)
+        assert rope_tensors == [tuple(o.transpose(1, 2).shape)]
+        ob = o.transpose(1, 2)
+        inverse = mlarope.apply_rope_q(
+            ob, torch.cat((cos[0], cos[0]), -1), torch.cat((sin[0], sin[0]), -1), layout="bshd",
+            interleaved=True, interleaved_out=True, inverse=True,
+        ).transpose(1, 2)  # fmt: skip
+        assert torch.equal(got, inverse)
+        rope_tensors.clear()
+        wide = torch.randn(2, 3, 5, 16 + 48, generator=gen).to(device)
+        narrow = torch.randn(2, 3, 5, 40, generator=gen).to(device)
+        grad_cos = cos.clone().requires_grad_()
+        for x, c in ((wide, cos[..., :24]), (narrow, cos), (o, grad_cos)):
+            s = sin[..., : c.shape[-1]]
+            if x is narrow:
+                with pytest.raises(RuntimeError):  # transformers' own error
+                    v4.apply_rotary_pos_emb(x, c, s)
+                continue
+            assert torch.equal(v4.apply_rotary_pos_emb(x, c, s), original(x, c, s))
+        assert rope_tensors == []
+    want = original(o, cos, -sin)  # fp32: within two fp32 units of the largest value
+    assert float((got - want).abs().max()) <= 2 * U32 * float(want.abs().max())
+
+
+@needs_v4
+def test_deepseek_v4_rope_width_is_checked(device):
+    """A model whose rope width mlarope does not rotate is refused up front (DeepSeek-V4's
+    attention keeps no qk_rope_head_dim of its own: its config's is read)."""
+    config_class = getattr(transformers, _patch.discovery().config_classes[V4])
+    config = config_class(**{**BASE, **OVERRIDES[V4], "qk_rope_head_dim": 48, "head_dim": 64})
+    model_class = getattr(transformers, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[V4])
+    with torch.device("meta"):
+        model = model_class(config)
+    with pytest.raises(ValueError, match="qk_rope_head_dim is 48"):
+        mt.apply_mlarope(model)
+    assert not mt.is_mlarope_applied(V4)

@@ -191,8 +191,15 @@ class RopeConfig:
         config.head_dim or hidden_size // num_attention_heads`` (in MLA configs ``head_dim`` is
         ``qk_rope_head_dim``, or the partial factor makes it so); ``proportional`` keeps the
         whole ``head_dim`` and rotates ``int(partial_rotary_factor * head_dim // 2)`` pairs.
-        ``layer_type``: a config whose ``rope_parameters`` are nested by layer type
-        (dots3_note), with per-layer widths in ``config.per_layer_config`` when it has them.
+        ``layer_type``: for a config whose ``rope_parameters`` are nested by layer type or
+        rope type (dots3_note, Gemma 3; DeepSeek-V4's ``"main"`` and ``"compress"``), the key
+        whose tables to build, with per-layer widths in ``config.per_layer_config`` when it has
+        them; required there, and refused (None only) for a config with one set for every
+        layer. DeepSeek-V4: ``"main"`` is its sliding-window layers' plain RoPE (``rope_theta``),
+        ``"compress"`` its compressed layers' and their compressors' and indexers'
+        (``compress_rope_theta``, the checkpoint's YaRN parameters with attention factor 1.0,
+        which its config sets); its model hands them out as half-width tables (one entry per
+        pair), the first half of these.
 
         Not in the config, so not here: mistral_large4's learnable ``alpha`` (its trained
         frequencies are ``inv_freq * exp(alpha)``), hy_v4_vl's multimodal positions (with text
@@ -392,12 +399,31 @@ def _read_hf(config: Any, layer_type: str | None) -> tuple[dict, float, int, int
     if not isinstance(params, Mapping):
         raise TypeError(f"config's rope parameters must be a dict, got {params!r}")
     widths = config
-    if layer_type is not None:
-        if layer_type not in params or not isinstance(params[layer_type], Mapping):
+    # The keys of a dict nested by layer type (or rope type) hold dicts; a flat dict's values
+    # are numbers, strings and lists (a flat leftover such as V4's top-level rope_type aside).
+    nested = sorted(str(k) for k, v in params.items() if isinstance(v, Mapping))
+    if layer_type is None:
+        if nested:
             raise ValueError(
-                f"layer_type {layer_type!r} is not a key of config.rope_parameters "
-                f"({sorted(map(str, params))})"
+                f"config.rope_parameters are nested by layer type ({nested}): pass layer_type, "
+                f"one of them"
             )
+    elif not isinstance(layer_type, str):
+        raise TypeError(
+            f"layer_type must be a str (a key of config.rope_parameters) or None, got "
+            f"{type(layer_type).__name__} {layer_type!r}"
+        )
+    elif not nested:
+        raise ValueError(
+            f"layer_type must be None for this config: its rope_parameters are one set for "
+            f"every layer, not nested by layer type (keys {sorted(map(str, params))}), got "
+            f"layer_type={layer_type!r}"
+        )
+    elif layer_type not in nested:
+        raise ValueError(
+            f"layer_type {layer_type!r} is not a key of config.rope_parameters ({nested})"
+        )
+    if layer_type is not None:
         params = params[layer_type]
         per_layer = getattr(config, "per_layer_config", None)
         try:

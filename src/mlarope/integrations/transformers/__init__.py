@@ -13,15 +13,22 @@ Usage (see ``docs/transformers.md``)::
     mt.family_report()                   # which families are patched, and why not
 
 The families are found in the installed transformers, not in a list: every modeling module
-whose attention reads ``kv_lora_rank`` (Multi-head Latent Attention), and every config with a
-``kv_lora_rank`` field through the model class it runs (``sarvam_mla`` runs DeepSeek-V3's
-code). In each, the module-level functions that the attention, or a module it builds (a DSA
-indexer), calls with the rotary embedding are what gets replaced; the attention looks them up
-by name when it runs, so models built before or after the call are both covered. Each function
+whose attention reads a latent rank, ``kv_lora_rank`` or ``q_lora_rank`` (Multi-head Latent
+Attention; DeepSeek-V4's reads the latter), every config with such a field through the model
+class it runs (``sarvam_mla`` runs DeepSeek-V3's code), and every composite config whose
+sub-config is one of those by default, through the sub-model its model builds (``kimi_k25``'s
+``text_config`` is a DeepSeek-V3 config). In each, the module-level functions that the
+attention, or a module it builds (a DSA indexer, a KV compressor), calls with the rotary
+embedding (the ``position_embeddings`` it is handed, or its own rotary embedding's output) are
+what gets replaced; the attention looks them up by name when it runs, so models built before or
+after the call are both covered. Each function
 is classified by running it on a float64 probe against every way mlarope's query op can rotate
 (pair layout in and out, full or first-half tables, complex ``freqs_cis``): a function that none
 reproduces exactly (a partial rotation, another formula) leaves its family unpatched, with the
-reason, and never patched approximately. A family whose attention calls no rotary function
+reason, and never patched approximately. A one-tensor function (DeepSeek-V4's
+``apply_rotary_pos_emb(x, cos, sin)`` on the whole head ``[nope | rope]``) is probed the same
+way: its trailing channels are rotated by mlarope's query op and the rest copied in the same
+launch. A family whose attention calls no rotary function
 (``glm5_next``, ``kimi_linear``: MLA without RoPE) has nothing to patch.
 
 The replacement hands the tables transformers already computed (``cos, sin: [Bc, S, R]``) to
@@ -97,11 +104,14 @@ class FamilyStatus:
     status: str  # "patched", "not patched" or "nothing to patch"
     reason: str  # why not ("" when patched)
     functions: tuple[FunctionStatus, ...]
-    runs_on: str | None  # a config-only family: the family whose code it runs
+    runs_on: str | None  # a config-only or composite model type: the family whose code it runs
     applied: bool  # the patch is in place now
     # Why apply_mlarope_to_all() leaves a patchable family unpatched ("" when it patches it):
     # its measured training step (mlarope.integrations.transformers._measured).
     off_by_default: str = ""
+    # A composite model type: the sub-config through which it runs the family's code
+    # ("its text_config (deepseek_v3 by default)"); "" otherwise.
+    through: str = ""
 
     def detail(self) -> str:
         """The functions and their mappings (patched), or the reason (not)."""
@@ -110,7 +120,8 @@ class FamilyStatus:
         else:
             text = self.reason.split(": ", 1)[1] if ": " in self.reason else self.reason
         if self.runs_on is not None:
-            text = f"runs on {self.runs_on}'s modeling code; {text}"
+            through = f" through {self.through}" if self.through else ""
+            text = f"runs on {self.runs_on}'s modeling code{through}; {text}"
         return text
 
     def summary(self) -> str:
@@ -128,7 +139,7 @@ def _callers(fam: _patch.Family, name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def _status(fam: _patch.Family, name: str, runs_on: str | None) -> FamilyStatus:
+def _status(fam: _patch.Family, name: str, runs_on: str | None, through: str = "") -> FamilyStatus:
     functions = tuple(
         FunctionStatus(n, _callers(fam, n), True, m.describe(), m.short())
         if isinstance(m, Mapping)
@@ -152,6 +163,7 @@ def _status(fam: _patch.Family, name: str, runs_on: str | None) -> FamilyStatus:
         runs_on=runs_on,
         applied=_patch.is_applied(fam),
         off_by_default=_measured.off_by_default(fam.name) if fam.patchable else "",
+        through=through,
     )
 
 
@@ -160,6 +172,11 @@ def _build_report() -> list[FamilyStatus]:
     rows = [_status(f, f.name, None) for f in _patch.families()]
     for model_type, package in found.config_only.items():
         rows.append(_status(_patch.family(package), model_type, package))
+    for model_type, composite in found.composites.items():
+        through = f"its {composite.sub_config} ({composite.sub_model_type} by default)"
+        rows.append(
+            _status(_patch.family(composite.package), model_type, composite.package, through)
+        )
     for model_type, model_class in found.orphans.items():
         rows.append(
             FamilyStatus(
@@ -196,10 +213,12 @@ def family_report(*, cache: bool = False) -> tuple[FamilyStatus, ...]:
 
     Families are found from transformers' code and configs (nothing is hard-coded, no model
     is built): each modeling module with an MLA attention, each config-only model type with the
-    module it runs on, and each config with ``kv_lora_rank`` whose model has no MLA attention in
-    the modeling code (reported as not patched). Sorted by name. ``cache=True`` reads and keeps
-    a copy on disk, keyed by the installed files (``mlarope info``: no model module imported when
-    it is current). Raises ImportError without transformers."""
+    module it runs on, each composite model type whose sub-config is MLA by default with the
+    module that serves it (``runs_on``, ``through``), and each config with ``kv_lora_rank``
+    whose model has no MLA attention in the modeling code (reported as not patched). Sorted by
+    name. ``cache=True`` reads and keeps a copy on disk, keyed by the installed files (``mlarope
+    info``: no model module imported when it is current). Raises ImportError without
+    transformers."""
     if not cache:
         return tuple(_build_report())
     root = _discovery.transformers_root()
@@ -221,7 +240,9 @@ def __getattr__(name: str):
         # Every name that selects a family mlarope patches (discovered on first access).
         patchable = {f.name: f for f in _patch.families() if f.patchable}
         names = {t for f in patchable.values() for t in f.model_types}
-        names |= {t for t, p in _patch.discovery().config_only.items() if p in patchable}
+        found = _patch.discovery()
+        names |= {t for t, p in found.config_only.items() if p in patchable}
+        names |= {t for t, c in found.composites.items() if c.package in patchable}
         return tuple(sorted(names))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -2,10 +2,11 @@
 
 A family is one modeling module with an MLA attention (``deepseek_v3``, ``glm4_moe_lite``, ...).
 The names that select it are its package name and the model types that run on its code
-(``sarvam_mla`` and ``deepseek_v3`` both select ``deepseek_v3``; ``dots3_note_text`` selects
-``dots3_note``). Patching a family replaces, in its module, each rotary function its attention
-calls (``_discovery``) by mlarope's replacement under the mapping the probe found (``_probe``);
-a family with a function of no exact mapping is not patched at all.
+(``sarvam_mla``, ``kimi_k25`` and ``deepseek_v3`` all select ``deepseek_v3``;
+``dots3_note_text`` selects ``dots3_note``). Patching a family replaces, in its module, each
+rotary function its attention calls (``_discovery``) by mlarope's replacement under the mapping
+the probe found (``_probe``); a family with a function of no exact mapping is not patched at
+all.
 
 Patching is process-wide, so it is reference-counted under one lock, per family: the patch is
 in place while ``apply_*`` holds it (at most once) or any ``mlarope_patched`` block, in any
@@ -108,7 +109,9 @@ def family(name: str) -> Family:
                 f"the module has no function {fn_name}" if fn is None else _probe.classify(fn)
             )
     aliases = [package] + [
-        t for t, p in found.model_types.items() if p == package and t in found.config_classes
+        t
+        for t, p in found.model_types.items()
+        if p == package and (t in found.config_classes or t in found.composites)
     ]
     return Family(
         name=package,
@@ -123,9 +126,11 @@ def family(name: str) -> Family:
 def names() -> set[str]:
     """Every name :func:`family` takes."""
     found = discovery()
-    return set(found.modules) | {
-        t for t, p in found.model_types.items() if t in found.config_classes
-    }
+    return (
+        set(found.modules)
+        | {t for t in found.model_types if t in found.config_classes}
+        | set(found.composites)
+    )
 
 
 def families() -> list[Family]:
@@ -170,7 +175,10 @@ def check_model(fam: Family, model: torch.nn.Module) -> None:
             f"{fam.name} patch covers transformers' {fam.name} attention only"
         )
     for layer in layers:
+        # The layer's own width, else its config's (DeepSeek-V4's attention keeps none)
         rope_dim = getattr(layer, "qk_rope_head_dim", None)
+        if rope_dim is None:
+            rope_dim = getattr(getattr(layer, "config", None), "qk_rope_head_dim", None)
         if rope_dim is None or rope_dim == 0:  # a layer without rotary embedding (NoPE)
             continue
         if rope_dim not in ROPE_DIMS:

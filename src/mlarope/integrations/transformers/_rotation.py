@@ -9,6 +9,13 @@ have, for any rope type, position offset or KV-cache step, and recomputes nothin
 S, R]`` (``unsqueeze_dim=1``) or ``[B, S, H, R]`` (2) go in as a ``bshd`` view and come back as
 the same view of mlarope's output.
 
+A one-tensor function (DeepSeek-V4's ``apply_rotary_pos_emb(x, cos, sin)``) gets a whole head
+``x: [B, H, S, N + R]`` (``[nope | rope]``) and rotates its trailing ``R`` channels, passing
+the ``N`` before them through; with tables of one entry per pair (``cos, sin: [Bc, S, R / 2]``)
+mlarope gets ``cat(cos, cos)``. That is the query op on the full head: the nope channels are
+copied in the same launch. A call with ``-sin`` (DeepSeek-V4's inverse rotation of the attention
+output) is the same function with another table, rotated by the table it is given.
+
 :class:`Mapping` says how one function's pairs and tables map onto mlarope's query op; the probe
 (``_probe``) finds it by running the function. :func:`make_replacement` wraps a function with
 its mapping: a call mlarope cannot take goes to the original, unchanged.
@@ -51,6 +58,26 @@ class Mapping:
     # The rule above also holds when q and k differ in dtype (probed with bf16 / fp32 pairs);
     # where it does not (hy_v4_vl returns both in q's dtype), such calls stay transformers'.
     mixed_dtypes: bool = True
+    # f(x, cos, sin, ...): one tensor x: [..., N + R], its trailing R channels rotated and the
+    # N before them passed through (DeepSeek-V4's full head [nope | rope]).
+    one_tensor: bool = False
+    # The tables hold one entry per pair (cos: [Bc, S, R / 2], R = 2 * cos.shape[-1]), which
+    # both members of the pair use; mlarope then gets cat(cos, cos).
+    half_width_tables: bool = False
+
+    @property
+    def table_kind(self) -> str:
+        """How the tables become mlarope's (:func:`_make_tables`)."""
+        if self.complex_freqs:
+            return "complex"
+        if self.half_width_tables:
+            return "half_width"
+        return "first_half" if self.first_half_tables else "full"
+
+    def rope_width(self, table_width: int) -> int:
+        """The rotated width ``R`` for tables whose last dim is ``table_width``."""
+        one_entry_a_pair = self.complex_freqs or self.half_width_tables
+        return 2 * table_width if one_entry_a_pair else table_width
 
     def short(self) -> str:
         """``"interleaved -> half-split, first-half tables"``: the pair layouts and tables."""
@@ -60,8 +87,12 @@ class Mapping:
             text += ", complex freqs"
         elif self.first_half_tables:
             text += ", first-half tables"
+        elif self.half_width_tables:
+            text += ", half-width tables"
         if self.result_dtype == "input":
-            text += ", result q.dtype"
+            text += ", result x.dtype" if self.one_tensor else ", result q.dtype"
+        if self.one_tensor:
+            text += ", one tensor: its trailing rope channels"
         return text + (", k may be None" if self.k_optional else "")
 
     def describe(self) -> str:
@@ -70,12 +101,20 @@ class Mapping:
             tables = "complex freqs_cis as cat(re, re), cat(im, im)"
         elif self.first_half_tables:
             tables = "first half of cos/sin"
+        elif self.half_width_tables:
+            tables = "half-width cos/sin (one entry a pair) as cat(cos, cos), cat(sin, sin)"
         else:
             tables = "full cos/sin"
         dtype = "x.dtype" if self.result_dtype == "input" else "promote(x, cos)"
         extra = ", k may be None" if self.k_optional else ""
         if not self.mixed_dtypes:
             extra += ", q and k of one dtype"
+        if self.one_tensor:
+            width = "2 * cos.shape[-1]" if self.half_width_tables else "cos.shape[-1]"
+            extra += (
+                f", one tensor x = [nope | rope]: its trailing {width} channels rotated, the "
+                f"others copied"
+            )
         return (
             f"{pairs(self.interleaved_in)} in, {pairs(self.interleaved_out)} out, {tables}, "
             f"result {dtype}{extra}"
@@ -103,7 +142,10 @@ def _usable(
     *,
     complex_ok: bool,
     mixed_dtypes: bool = True,
+    trailing: bool = False,
 ) -> bool:
+    """mlarope can take these arguments (``trailing``: ``q`` may be wider than ``rope_dim``, its
+    trailing ``rope_dim`` channels rotated)."""
     xs = (q,) if k is None else (q, k)
     if not all(isinstance(t, torch.Tensor) for t in (*xs, *tables)):
         return False
@@ -115,7 +157,9 @@ def _usable(
         return False
     if not all(t.dtype in _REAL_DTYPES or (complex_ok and t.is_complex()) for t in tables):
         return False
-    if rope_dim not in ROPE_DIMS or any(x.shape[-1] != rope_dim for x in xs):
+    if rope_dim not in ROPE_DIMS:
+        return False
+    if any(x.shape[-1] < rope_dim if trailing else x.shape[-1] != rope_dim for x in xs):
         return False
     if any(t.device != q.device for t in (*xs, *tables)):
         return False
@@ -154,7 +198,8 @@ def _first_halves(t: torch.Tensor, rows: int) -> torch.Tensor:
 def _make_tables(sources: tuple, rows: int, kind: str) -> tuple:
     """``(cos, sin)`` as ``[rows, R]`` from a rotary function's tables (``sources``): ``"full"``
     ``(cos, sin)`` as they are, ``"first_half"`` ``(cos, sin)`` whose first half holds each
-    pair's angle, ``"complex"`` DeepSeek-V2's ``(freqs_cis,)``."""
+    pair's angle, ``"half_width"`` ``(cos, sin): [..., R / 2]`` of one entry per pair (each
+    becomes ``cat(t, t)``), ``"complex"`` DeepSeek-V2's ``(freqs_cis,)``."""
     if kind == "complex":
         (freqs_cis,) = sources
         real, imag = freqs_cis.real, freqs_cis.imag
@@ -166,43 +211,89 @@ def _make_tables(sources: tuple, rows: int, kind: str) -> tuple:
     cos, sin = sources
     if kind == "first_half":
         return _first_halves(cos, rows), _first_halves(sin, rows)
+    if kind == "half_width":
+        return tuple(torch.cat((t, t), dim=-1).reshape(rows, 2 * t.shape[-1]) for t in sources)
     return _flat_table(cos, rows), _flat_table(sin, rows)
 
 
-class _Prepared:
-    """The tables of the last rotary call, made ready for mlarope (:func:`_make_tables`), and
-    reused while later calls pass the same table objects: every layer of one model forward
-    does (the rotary embedding runs once per forward), so the conversions (two concatenations
-    for first-half and complex tables) run once per forward, not once per layer. Weak
-    references to the tensors they were made from; a new version counter (an in-place write),
-    row count or kind makes them anew."""
+class _Entry:
+    """Tables made ready for mlarope (:func:`_make_tables`: new tensors, not views) and what
+    they were made from: weak references to the source tensors and a key of their version
+    counters (an in-place write makes them anew), the row count and the kind. When a source
+    tensor is freed the tables are dropped with it (a single attribute store, safe from the
+    thread that frees it), so a kept entry holds no memory past its model's forward."""
 
-    __slots__ = ("key", "sources", "tables")
+    __slots__ = ("__weakref__", "key", "sources", "tables")
+
+    def __init__(self, sources: tuple, key: tuple, tables: tuple) -> None:
+        release = weakref.WeakMethod(self._release)
+        self.sources = tuple(weakref.ref(t, lambda _, r=release: _call(r)) for t in sources)
+        self.key = key
+        self.tables: tuple | None = tables
+
+    def _release(self) -> None:
+        self.tables = None
+
+    def made_from(self, sources: tuple, key: tuple) -> bool:
+        return (
+            self.tables is not None
+            and self.key == key
+            and len(self.sources) == len(sources)
+            and all(ref() is t for ref, t in zip(self.sources, sources, strict=True))
+        )
+
+
+def _call(method: weakref.WeakMethod) -> None:
+    bound = method()
+    if bound is not None:
+        bound()
+
+
+class _Prepared:
+    """Prepared tables, reused while later calls pass the same table objects.
+
+    Every layer of one model forward passes the same tables (the rotary embedding runs once per
+    forward), so their conversions (two concatenations for first-half, half-width and complex
+    tables) run once per forward, not once per layer. Two kinds of entries: the tables of the
+    last call (``recent``), and up to :data:`_KEPT` whose tables came again (``kept``, the most
+    recently used first). A model's own tables come again (``q`` then ``k``, layer after layer)
+    and are kept; tables a call makes for itself come once and only pass through ``recent``
+    (DeepSeek-V4's compressors and indexer rotate by tables of their own positions, its
+    inverse rotation of the output by a fresh ``-sin``), so they never push out a model's
+    tables (its "main" and "compress" sets, dots3_note's per layer type)."""
+
+    __slots__ = ("kept", "recent")
 
     def __init__(self) -> None:
-        self.sources: tuple = ()
-        self.key = None
-        self.tables = None
+        self.recent: _Entry | None = None
+        self.kept: list[_Entry] = []
 
     def get(self, sources: tuple, rows: int, kind: str) -> tuple:
         key = (*(t._version for t in sources), rows, kind)
-        if (
-            self.key == key
-            and len(self.sources) == len(sources)
-            and all(ref() is t for ref, t in zip(self.sources, sources, strict=True))
-        ):
-            return self.tables
-        self.tables = _make_tables(sources, rows, kind)
-        self.sources, self.key = tuple(weakref.ref(t) for t in sources), key
-        return self.tables
+        self.kept = [entry for entry in self.kept if entry.tables is not None]
+        for i, entry in enumerate(self.kept):
+            if entry.made_from(sources, key):
+                self.kept.insert(0, self.kept.pop(i))
+                return entry.tables
+        recent = self.recent
+        if recent is not None and recent.made_from(sources, key):
+            self.kept = [recent, *self.kept[: _KEPT - 1]]
+            self.recent = None
+            return recent.tables
+        self.recent = _Entry(sources, key, _make_tables(sources, rows, kind))
+        return self.recent.tables
 
 
+# The model-wide table sets kept (a model has one, or one per rope type or layer type).
+_KEPT = 4
 _PREPARED = threading.local()
 
 
 def _tables(sources: tuple, rows: int, kind: str) -> tuple:
-    """A rotary function's tables (``[Bc, S, R]`` or complex ``[Bc, S, R / 2]``) -> the
-    ``[Bc * S, R]`` tables mlarope rotates by."""
+    """A rotary function's tables (``[Bc, S, R]``, ``[Bc, S, R / 2]`` half-width or complex)
+    -> the ``[Bc * S, R]`` tables mlarope rotates by."""
+    if kind == "full":
+        return _make_tables(sources, rows, kind)  # views: nothing to keep
     if torch.compiler.is_compiling() or (
         sources[0].is_cuda and torch.cuda.is_current_stream_capturing()
     ):
@@ -273,9 +364,29 @@ def rotate_cos_sin(
     if dims is None:
         return None
     batch_rows, seq = dims
-    kind = "first_half" if mapping.first_half_tables else "full"
-    cos2, sin2 = _tables((cos, sin), batch_rows * seq, kind)
+    cos2, sin2 = _tables((cos, sin), batch_rows * seq, mapping.table_kind)
     return _both(mapping, q, k, heads_dim, cos2, sin2, batch_rows, cos.dtype)
+
+
+def rotate_one(
+    mapping: Mapping, x: object, cos: object, sin: object, heads_dim: int
+) -> torch.Tensor | None:
+    """A one-tensor ``f(x, cos, sin)`` through mlarope, or None if it cannot take these
+    arguments: ``x: [B, H, S, N + R]`` (``[B, S, H, N + R]`` with ``heads_dim=2``), its trailing
+    ``R`` channels rotated by ``cos, sin: [Bc, S, T]`` (``R = 2T`` with half-width tables), the
+    ``N`` before them copied in the same launch; the result has ``x``'s shape."""
+    table_width = cos.shape[-1] if isinstance(cos, torch.Tensor) and cos.dim() > 0 else 0
+    rope_dim = mapping.rope_width(table_width)
+    if not _usable(x, None, (cos, sin), rope_dim, complex_ok=False, trailing=True):
+        return None
+    if cos.shape != sin.shape or cos.dtype != sin.dtype:
+        return None
+    dims = _token_dims(x, None, cos, heads_dim)
+    if dims is None:
+        return None
+    batch_rows, seq = dims
+    cos2, sin2 = _tables((cos, sin), batch_rows * seq, mapping.table_kind)
+    return _both(mapping, x, None, heads_dim, cos2, sin2, batch_rows, cos.dtype)[0]
 
 
 def rotate_freqs_cis(
@@ -299,12 +410,13 @@ def rotate_freqs_cis(
     return _both(mapping, xq, xk, 1, cos, sin, batch_rows, cos.dtype)
 
 
-def extra_args_reader(original: Callable) -> Callable[[tuple, dict], int | None]:
-    """Read ``unsqueeze_dim`` from the arguments after ``(q, k, cos, sin)``, by the original's
-    signature (DeepSeek-V3-style functions put an ignored ``position_ids`` before it, others do
-    not have it). Returns the heads dim of ``q`` (1 or 2), or None: hand over the call."""
+def extra_args_reader(original: Callable, leading: int = 4) -> Callable[[tuple, dict], int | None]:
+    """Read ``unsqueeze_dim`` from the arguments after the ``leading`` tensors (``(q, k, cos,
+    sin)``, or ``(x, cos, sin)`` for a one-tensor function), by the original's signature
+    (DeepSeek-V3-style functions put an ignored ``position_ids`` before it, others do not have
+    it). Returns the heads dim of ``q`` (1 or 2), or None: hand over the call."""
     try:
-        params = list(inspect.signature(original).parameters.values())[4:]
+        params = list(inspect.signature(original).parameters.values())[leading:]
     except (TypeError, ValueError):
         params = []
     by_position = [
@@ -343,6 +455,14 @@ def make_replacement(original: Callable, mapping: Mapping, name: str) -> Callabl
         def rope(xq, xk, freqs_cis, *args, **kwargs):
             out = None if args or kwargs else rotate_freqs_cis(mapping, xq, xk, freqs_cis)
             return original(xq, xk, freqs_cis, *args, **kwargs) if out is None else out
+
+    elif mapping.one_tensor:
+        read_heads_dim = extra_args_reader(original, leading=3)
+
+        def rope(x, cos, sin, *args, **kwargs):
+            heads_dim = read_heads_dim(args, kwargs)
+            out = None if heads_dim is None else rotate_one(mapping, x, cos, sin, heads_dim)
+            return original(x, cos, sin, *args, **kwargs) if out is None else out
 
     else:
         read_heads_dim = extra_args_reader(original)
