@@ -248,12 +248,21 @@ def emulated(family: str):
     saved = {name: getattr(module, name) for name in fam.mappings}
 
     def wrap(original, mapping):
-        def fn(q, k, *args, **kwargs):
-            def up(t):
-                if not isinstance(t, torch.Tensor):
-                    return t
-                return t.to(torch.complex64) if t.is_complex() else t.float()
+        def up(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            return t.to(torch.complex64) if t.is_complex() else t.float()
 
+        def one_tensor(x, cos, *args, **kwargs):
+            dtype = x.dtype
+            if mapping.result_dtype != "input":
+                dtype = torch.promote_types(x.dtype, cos.dtype)
+            return original(up(x), up(cos), *map(up, args), **kwargs).to(dtype)
+
+        if getattr(mapping, "one_tensor", False):
+            return one_tensor
+
+        def fn(q, k, *args, **kwargs):
             table = args[0]
             q_out, k_out = original(up(q), up(k), *map(up, args), **kwargs)
 
@@ -283,26 +292,28 @@ class _Count:
         fam = _patch.family(family)
         self.module = importlib.import_module(fam.module)
         self.names = list(fam.mappings)
+        self.one_tensor = {n: getattr(m, "one_tensor", False) for n, m in fam.mappings.items()}
         self.rotated = self.trainable = self.reached = 0
 
     @contextlib.contextmanager
     def unpatched(self):
         saved = {n: getattr(self.module, n) for n in self.names}
 
-        def wrap(original):
-            def fn(q, k, *args, **kwargs):
+        def wrap(original, one_tensor):
+            def fn(*all_args, **kwargs):
+                _, k, *args = (all_args[0], None, *all_args[1:]) if one_tensor else all_args
                 n = 1 if k is None else 2
                 tables = [t for t in args[:2] if isinstance(t, torch.Tensor)]
                 if torch.is_grad_enabled() and any(t.requires_grad for t in tables):
                     self.trainable += n
                 else:
                     self.rotated += n
-                return original(q, k, *args, **kwargs)
+                return original(*all_args, **kwargs)
 
             return fn
 
         for n, fn in saved.items():
-            setattr(self.module, n, wrap(fn))
+            setattr(self.module, n, wrap(fn, self.one_tensor[n]))
         try:
             yield
         finally:
@@ -366,6 +377,10 @@ def rotary_ms(family: str, calls: list[tuple], device: torch.device, reps: int) 
     def run(functions):
         outs = []
         for name, args, kwargs in calls:
+            if getattr(fam.mappings[name], "one_tensor", False):
+                x, *rest = args
+                outs.append(functions[name](x.detach().requires_grad_(True), *rest, **kwargs))
+                continue
             q, k, *rest = args
             q = q.detach().requires_grad_(True)
             k = None if k is None else k.detach().requires_grad_(True)
@@ -452,10 +467,7 @@ def measure(family: str, seq: int, args, device: torch.device) -> dict:
     return {
         "family": family,
         "seq": seq,
-        "widths": (
-            f"{text.hidden_size}, {getattr(attention, 'num_heads', '?')}, "
-            f"{attention.qk_nope_head_dim}/{attention.qk_rope_head_dim}/{attention.v_head_dim}"
-        ),
+        "widths": _widths(text, attention),
         "attention": implementation,
         "ratio": ratios[worst],
         "worst": worst,
@@ -467,6 +479,22 @@ def measure(family: str, seq: int, args, device: torch.device) -> dict:
         "rounds": rounds,
         **med,
     }
+
+
+def _widths(text, attention) -> str:
+    """``"hidden, heads, nope/rope/v"`` of the layer (or of its config where the layer keeps
+    none: DeepSeek-V4's attention holds a full ``head_dim`` with its rope tail)."""
+
+    def width(name: str):
+        value = getattr(attention, name, None)
+        return _attribute(text, name) if value is None else value
+
+    heads = getattr(attention, "num_heads", None) or _attribute(text, "num_attention_heads")
+    rope = width("qk_rope_head_dim")
+    nope, v = width("qk_nope_head_dim"), width("v_head_dim")
+    if nope is None and _attribute(text, "head_dim") and rope:
+        nope, v = _attribute(text, "head_dim") - rope, _attribute(text, "head_dim")
+    return f"{text.hidden_size}, {heads}, {nope}/{rope}/{v}"
 
 
 def families(spec: str) -> list[str]:
