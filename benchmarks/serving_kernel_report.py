@@ -43,22 +43,25 @@ def kernel_report() -> list[dict]:
         return {**row, "spill bytes": r.spill_bytes, **r.counts}
 
     tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "scale_ptr": "*fp32"}
-    ac = kernels.choose_append_config(16384, 512)
     rows = []
-    for name, nope_mode, rope_mode, kvc, dst, fp8_656 in (
-        ("append concat bf16", 0, 5, "*i16", "*i16", False),
-        ("append concat fp8", 1, 1, "*bf16", "*u8", False),
-        ("append fp8_656", 2, 5, "*bf16", "*u8", True),
+    # (name, NOPE_MODE, ROPE_MODE, kv_c, destination, tiles, ROPE_OFFSET, TILE_OFFSET, L);
+    # fp8_584 at DeepSeek-V4's shapes (L = 448) and FlashMLA's block size of 64.
+    for name, nope_mode, rope_mode, kvc, dst, tiles, rope_at, tile_at, latent in (
+        ("append concat bf16", 0, 5, "*i16", "*i16", "*i32", 512, 0, 512),
+        ("append concat fp8", 1, 1, "*bf16", "*u8", "*i32", 512, 0, 512),
+        ("append fp8_656", 2, 5, "*bf16", "*u8", "*i32", 264, 128, 512),
+        ("append fp8_584", 6, 5, "*bf16", "*u8", "*u8", 224, 64 * 576, 448),
     ):
+        ac = kernels.choose_append_config(16384, latent)
         pointers = dict(
             tables, slot_ptr="*i64", kvc_ptr=kvc, kpe_ptr="*bf16", nope_ptr=dst,
-            rope_ptr="*i16" if fp8_656 else dst, tile_ptr="*i32",
+            rope_ptr="*i16" if nope_mode in (2, 6) else dst, tile_ptr=tiles,
         )  # fmt: skip
         constexprs = dict(
-            ROPE_OFFSET=264 if fp8_656 else 512, TILE_OFFSET=128 if fp8_656 else 0,
-            BLOCK_SHIFT=6, L=512, BLOCK_L=512, HALF=32, BLOCK_T=ac.block_t, NOPE_MODE=nope_mode,
-            ROPE_MODE=rope_mode, SCALE_MODE=2 if nope_mode == 1 else 0, INTERLEAVED_IN=True,
-            INTERLEAVED_OUT=True, NATIVE=True,
+            ROPE_OFFSET=rope_at, TILE_OFFSET=tile_at, BLOCK_SHIFT=6, L=latent, BLOCK_L=512,
+            HALF=32, BLOCK_T=ac.block_t, NOPE_MODE=nope_mode, ROPE_MODE=rope_mode,
+            SCALE_MODE=2 if nope_mode == 1 else 0, INTERLEAVED_IN=True, INTERLEAVED_OUT=True,
+            NATIVE=True,
         )  # fmt: skip
         rows.append(compile_one(name, kernels._rope_append_kernel, pointers, constexprs,
                                 ac.num_warps))  # fmt: skip

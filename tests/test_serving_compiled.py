@@ -41,7 +41,8 @@ def report() -> dict:
 
 def test_every_kernel_compiled(report):
     assert set(report) == {
-        "append concat bf16", "append concat fp8", "append fp8_656", "query bf16", "query fp8",
+        "append concat bf16", "append concat fp8", "append fp8_656", "append fp8_584",
+        "query bf16", "query fp8",
     }  # fmt: skip
 
 
@@ -53,16 +54,16 @@ def test_no_spills_no_approximate_division_no_64_bit_division(report):
 
 
 def test_hardware_conversions_and_ieee_division(report):
-    for name in ("append concat fp8", "append fp8_656", "query fp8"):
+    for name in ("append concat fp8", "append fp8_656", "append fp8_584", "query fp8"):
         assert report[name]["cvt e4m3"] > 0, name
     for name in ("append concat fp8", "query fp8"):  # per-tensor scales: x / scale
         assert report[name]["div.rn"] > 0, name
-    for name in ("append concat bf16", "append fp8_656", "query bf16"):
+    for name in ("append concat bf16", "append fp8_656", "append fp8_584", "query bf16"):
         assert report[name]["cvt bf16"] > 0, name
 
 
 def test_copies_are_16_byte_vectors(report):
-    for name in ("append concat bf16", "append concat fp8", "append fp8_656"):
+    for name in ("append concat bf16", "append concat fp8", "append fp8_656", "append fp8_584"):
         assert report[name]["st.global.v4"] >= 1 and report[name]["ld.global.v4"] >= 1, name
     for name in ("query bf16", "query fp8"):
         row = report[name]

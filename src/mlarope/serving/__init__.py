@@ -9,7 +9,9 @@ quantization) per stored element, for the common cache formats:
   per-tensor scale;
 - ``"split"``: FlashInfer's paged pair ``(ckv [pages, page_size, L], kpe [pages, page_size, R])``;
 - ``"fp8_656"``: FlashMLA's 656-byte FP8 record (512 e4m3 values in four 128-wide tiles, four
-  fp32 tile scales, 64 bf16 rope values).
+  fp32 tile scales, 64 bf16 rope values);
+- ``"fp8_584"``: FlashMLA's DeepSeek-V4 cache (per token 448 e4m3 values in seven 64-wide tiles
+  and 64 bf16 rope values in a block's data rows, seven UE8M0 tile scales in its scale rows).
 
 - :func:`rope_append_kv_cache`: rotate ``k_pe`` and write each token into ``slot_mapping[t]``;
 - :func:`rope_decode_query`: ``[T, H, L + R]`` in the input dtype or FP8 e4m3;

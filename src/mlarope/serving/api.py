@@ -43,9 +43,13 @@ def rope_append_kv_cache(
             dtype or FP8 e4m3 (``float8_e4m3fn``, or ``uint8`` codes); ``"split"``: a pair
             ``(ckv [num_pages, page_size, L], kpe [num_pages, page_size, R])`` as above;
             ``"fp8_656"``: FlashMLA's records, ``[num_blocks, block_size, 656]`` or
-            ``[num_blocks, block_size, 1, 656]`` bytes (``L = 512``, ``R = 64``).
+            ``[num_blocks, block_size, 1, 656]`` bytes (``L = 512``, ``R = 64``);
+            ``"fp8_584"``: DeepSeek-V4's cache as FlashMLA allocates it, ``[num_blocks,
+            block_size, 1, 584]`` (or 3-D) bytes, blocks a multiple of 576 bytes apart
+            (``L = 448``, ``R = 64``).
         slot_mapping: ``[T]`` int32/int64 slots.
-        cache_format: ``"concat"``, ``"split"`` or ``"fp8_656"`` (docs/serving.md).
+        cache_format: ``"concat"``, ``"split"``, ``"fp8_656"`` or ``"fp8_584"``
+            (docs/serving.md).
         kv_scale: the per-tensor DEQUANT scale of an FP8 ``concat`` / ``split`` cache
             (``stored = e4m3(x / kv_scale)``, ``x = stored * kv_scale``; FlashInfer's
             ``quant_scale_kv`` is its reciprocal): a float, or a 1-element fp32 tensor on the
@@ -59,8 +63,9 @@ def rope_append_kv_cache(
             a tensor scale), raising ``ValueError``; costs a sync. Also ``MLAROPE_VALIDATE=1``.
 
     fp32 math with the exact tables, one rounding or quantization per stored element; FP8
-    saturates to +-448. ``fp8_656`` computes each token's four tile scales (FlashMLA's
-    power-of-two rule) and stores the rope part in bf16. Not differentiable.
+    saturates to +-448. ``fp8_656`` and ``fp8_584`` compute each token's tile scales (FlashMLA's
+    power-of-two rule: four fp32 scales of 128 channels, or seven UE8M0 bytes of 64) and store
+    the rope part in bf16. Not differentiable.
     """
     signature = _plans.append_signature(
         kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale,

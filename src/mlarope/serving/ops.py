@@ -71,6 +71,28 @@ def append_with_kernel(
             interleaved_out=interleaved_out, config=config,
         )  # fmt: skip
         return
+    if cache_format == "fp8_584":
+        # Three views at the cache's address (a plan maps each back to the cache): the data rows
+        # (codes), the same memory as int16 (the bf16 rope values, after 448 bytes) and the
+        # scale rows, which start 576 * block_size bytes into the block (TILE_OFFSET).
+        codes = reference.fp8_584_bytes(cache)
+        n_blocks, block_size = codes.shape[:2]
+        stride = codes.stride(0)
+        data = codes.as_strided((n_blocks, block_size, reference.FP8_584_DATA_ROW),
+                                (stride, reference.FP8_584_DATA_ROW, 1))  # fmt: skip
+        rope = codes.view(torch.int16).as_strided(
+            (n_blocks, block_size, reference.FP8_584_DATA_ROW // 2),
+            (stride // 2, reference.FP8_584_DATA_ROW // 2, 1),
+        )
+        tiles = codes.as_strided((n_blocks, block_size, reference.FP8_584_SCALE_ROW),
+                                 (stride, reference.FP8_584_SCALE_ROW, 1))  # fmt: skip
+        kernels.rope_append_launch(
+            kv_c, k_pe, cos, sin, positions, slot_mapping, data, rope, tiles,
+            rope_offset=reference.FP8_584_ROPE_AT // 2, nope_mode=6, rope_mode=5, scale=None,
+            scale_value=1.0, interleaved_in=interleaved, interleaved_out=interleaved_out,
+            config=config, tile_offset=block_size * reference.FP8_584_DATA_ROW,
+        )  # fmt: skip
+        return
     fp8 = cache.dtype in (torch.float8_e4m3fn, torch.uint8)
     nope_dst = kernels.bits(cache)
     rope_dst = nope_dst if kpe_cache is None else kernels.bits(kpe_cache)

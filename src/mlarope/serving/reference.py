@@ -12,6 +12,8 @@ written. Math runs in fp32 and each stored element is rounded (or quantized) onc
 - ``fp8_656``: the latent in four 128-channel tiles, each with FlashMLA's power-of-two scale
   ``s_j = 2 ** ceil(log2(max(amax_j / 448, 1e-4)))`` and ``code = e4m3(x / s_j)``; the rotated
   rope values in bf16.
+- ``fp8_584`` (DeepSeek-V4): the 448-channel latent in seven 64-channel tiles with the same rule,
+  the scales stored as UE8M0 exponent bytes in a block's scale rows; the rope values in bf16.
 
 ``e4m3`` rounds to nearest even and saturates to +-448 (infinities too); NaN gives a NaN code.
 The encoder below does it with integer operations, the same as the kernels, and equals
@@ -33,6 +35,18 @@ FP8_656_TILE = 128
 FP8_656_SCALES_AT = 512  # byte offsets within a record
 FP8_656_ROPE_AT = 528
 MIN_TILE_SCALE = 2.0**-13  # FlashMLA's floor 1e-4, rounded up to a power of two
+# FlashMLA's MODEL1_FP8Sparse (DeepSeek-V4) cache: a block holds ``block_size`` data rows of 576
+# bytes (448 e4m3 codes, then 64 bf16 rope values), then ``block_size`` scale rows of 8 bytes
+# (7 UE8M0 exponents, one pad byte); blocks are padded to a multiple of 576 bytes.
+FP8_584_BYTES = 584  # per token: a 576-byte data row and an 8-byte scale row
+FP8_584_LATENT = 448
+FP8_584_ROPE = 64
+FP8_584_TILE = 64
+FP8_584_TILES = 7
+FP8_584_DATA_ROW = 576
+FP8_584_ROPE_AT = 448  # byte offset of the rope values within a data row
+FP8_584_SCALE_ROW = 8
+FP8_584_BLOCK_ALIGN = 576  # a block's stride is a multiple of this
 
 
 # ------------------------------------------------------------------------------ number formats
@@ -65,19 +79,32 @@ def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pow2_tile_scales(x: torch.Tensor) -> torch.Tensor:
-    """FlashMLA's dequant scale per tile, exactly: ``x: [..., tiles, 128]`` -> ``[..., tiles]``
-    fp32 powers of two ``2 ** ceil(log2(max(amax / 448, 1e-4)))``. NaN does not count towards
-    ``amax``. Computed from the bits of ``amax``: for ``amax = m * 2**e`` (``1 <= m < 2``) the
-    scale is ``2**(e - 8)`` if ``m <= 1.75``, else ``2**(e - 7)``, at least ``2**-13`` (the fp32
-    quotient ``amax / 448`` rounds across no power of two, so this is the ceiling of the
-    rounded quotient; FlashMLA's ``log2`` in fp32 misses by a factor of two a few ulp above a
-    power of two)."""
+    """FlashMLA's dequant scale per tile, exactly: ``x: [..., tiles, width]`` (``fp8_656``: 128,
+    ``fp8_584``: 64) -> ``[..., tiles]`` fp32 powers of two ``2 ** ceil(log2(max(amax / 448,
+    1e-4)))``. NaN does not count towards ``amax``. Computed from the bits of ``amax``: for
+    ``amax = m * 2**e`` (``1 <= m < 2``) the scale is ``2**(e - 8)`` if ``m <= 1.75``, else
+    ``2**(e - 7)``, at least ``2**-13`` (the fp32 quotient ``amax / 448`` rounds across no
+    power of two, so this is the ceiling of the rounded quotient; FlashMLA's ``log2`` in fp32
+    misses by a factor of two a few ulp above a power of two)."""
     x = x.to(torch.float32)
     amax = torch.where(x.isnan(), 0.0, x.abs()).amax(-1)
     bits = amax.contiguous().view(torch.int32)
     exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
     exponent = exponent.clamp(min=114)
     return (exponent << 23).view(torch.float32)
+
+
+def e8m0_encode(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 powers of two (normal numbers) -> their UE8M0 bytes (``uint8``): the biased exponent,
+    ``2 ** (byte - 127)``, what ``.to(torch.float8_e8m0fnu)`` stores for them."""
+    return ((scales.to(torch.float32).contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes (``uint8`` or ``float8_e8m0fnu``) -> fp32 ``2 ** (byte - 127)``; 0xFF is NaN."""
+    b = codes.view(torch.uint8).to(torch.int32)
+    value = torch.ldexp(torch.ones_like(b, dtype=torch.float32), b - 127)
+    return torch.where(b == 255, float("nan"), value)
 
 
 def e4m3_step(value: torch.Tensor) -> torch.Tensor:
@@ -162,6 +189,36 @@ def fp8_656_records(cache: torch.Tensor) -> torch.Tensor:
     return _as_codes(cache)
 
 
+def fp8_584_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A DeepSeek-V4 FP8 cache (``[num_blocks, block_size, 584]`` or ``[..., 1, 584]``, blocks
+    a multiple of 576 bytes apart) as ``uint8`` ``[num_blocks, block_size, 584]`` (a view; a
+    single block's stride is set to ``block_size * 584``, which no address depends on, so that
+    an integer view of it can be made)."""
+    if cache.dim() == 4:
+        cache = cache.squeeze(2)
+    codes = _as_codes(cache)
+    if codes.shape[0] == 1:
+        codes = codes.as_strided(codes.shape, (codes.shape[1] * FP8_584_BYTES, *codes.stride()[1:]))
+    return codes
+
+
+def fp8_584_rows(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data [num_blocks, block_size, 576], scales [num_blocks, block_size, 8])``: ``uint8``
+    views of a DeepSeek-V4 FP8 cache's data rows (entry ``e`` at byte ``576 e`` of its block)
+    and scale rows (at byte ``576 block_size + 8 e``)."""
+    codes = fp8_584_bytes(cache)
+    n_blocks, block_size = codes.shape[:2]
+    stride, offset = codes.stride(0), codes.storage_offset()
+    data = codes.as_strided(
+        (n_blocks, block_size, FP8_584_DATA_ROW), (stride, FP8_584_DATA_ROW, 1), offset
+    )
+    scales = codes.as_strided(
+        (n_blocks, block_size, FP8_584_SCALE_ROW), (stride, FP8_584_SCALE_ROW, 1),
+        offset + block_size * FP8_584_DATA_ROW,
+    )  # fmt: skip
+    return data, scales
+
+
 @torch.no_grad()
 def append_kv_cache(
     kv_c: torch.Tensor,
@@ -181,8 +238,10 @@ def append_kv_cache(
     """Write each token's entry into its slot (checked inputs; ``k_pe: [T, R]``).
 
     ``cache``: ``concat`` ``[num_blocks, block_size, L + R]``, ``split`` ``ckv [num_pages,
-    page_size, L]`` with ``kpe_cache [num_pages, page_size, R]``, or ``fp8_656`` records. Two
-    tokens with one slot: the later token's entry is written (the kernels leave it undefined).
+    page_size, L]`` with ``kpe_cache [num_pages, page_size, R]``, ``fp8_656`` records, or an
+    ``fp8_584`` cache (each token's data row and the first 7 bytes of its scale row; the pad byte
+    and a block's padding are left alone). Two tokens with one slot: the later token's entry is
+    written (the kernels leave it undefined).
     """
     rope = rotate_rope(
         k_pe, cos, sin, positions, interleaved_in=interleaved_in, interleaved_out=interleaved_out
@@ -199,6 +258,16 @@ def append_kv_cache(
             dim=1,
         )
         _write(records, blocks, entries, record)
+        return
+    if cache_format == "fp8_584":
+        data, scale_rows = fp8_584_rows(cache)
+        tokens, blocks, entries = _slots(slot_mapping, data.shape[1], data.shape[0])
+        x = kv_c[tokens].to(torch.float32).reshape(-1, FP8_584_TILES, FP8_584_TILE)
+        scales = pow2_tile_scales(x)
+        codes = e4m3_encode(x * (1.0 / scales).unsqueeze(-1)).reshape(-1, latent)
+        row = torch.cat((codes, rope[tokens].to(torch.bfloat16).view(torch.uint8)), dim=1)
+        _write(data, blocks, entries, row)
+        _write(scale_rows, blocks, entries, e8m0_encode(scales))
         return
     dtype = cache.dtype
     if cache_format == "concat":
@@ -245,9 +314,9 @@ def read_kv_cache(
     ``cache`` as :func:`mlarope.serving.rope_append_kv_cache` takes it (a ``(ckv, kpe)`` pair for
     ``split``); ``rope_dim``: ``R``, required for ``concat`` (one of 32, 64, 128), checked
     against the cache for the others; ``kv_scale``: the dequant scale of an FP8 ``concat`` or
-    ``split`` cache (a float or a 1-element fp32 tensor), None otherwise. ``fp8_656`` latents
-    are ``code * s_j`` in fp32 (exact: ``s_j`` is a power of two), as FlashMLA's kernels
-    dequantize them.
+    ``split`` cache (a float or a 1-element fp32 tensor), None otherwise. ``fp8_656`` and
+    ``fp8_584`` latents are ``code * s_j`` in fp32 (exact: ``s_j`` is a power of two), as
+    FlashMLA's kernels dequantize them.
 
     Every slot must name an entry, ``[0, num_blocks * block_size)``: the slot values are read
     (a sync) and one outside, or -1 (the writers' padding marker, which names no entry),
@@ -269,6 +338,14 @@ def read_kv_cache(
         scales = rec[:, FP8_656_SCALES_AT:FP8_656_ROPE_AT].contiguous().view(torch.float32)
         latent = (e4m3_decode(codes) * scales.unsqueeze(-1)).reshape(-1, FP8_656_LATENT)
         rope = rec[:, FP8_656_ROPE_AT:].contiguous().view(torch.bfloat16).to(torch.float32)
+        return latent, rope
+    if cache_format == "fp8_584":
+        data, scale_rows = fp8_584_rows(tensors[0])
+        rows, scales = _gather(data, slots), _gather(scale_rows, slots)[:, :FP8_584_TILES]
+        codes = rows[:, :FP8_584_ROPE_AT].reshape(-1, FP8_584_TILES, FP8_584_TILE)
+        latent = e4m3_decode(codes) * e8m0_decode(scales).unsqueeze(-1)
+        latent = latent.reshape(-1, FP8_584_LATENT)
+        rope = rows[:, FP8_584_ROPE_AT:].contiguous().view(torch.bfloat16).to(torch.float32)
         return latent, rope
     if cache_format == "split":
         parts = [_gather(tensors[0], slots), _gather(tensors[1], slots)]
