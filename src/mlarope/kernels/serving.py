@@ -113,6 +113,19 @@ def bf16_bits(x, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def pow2_exponent(amax, MIN_EXPONENT: tl.constexpr):
+    """The biased exponent of ``2 ** ceil(log2(amax / 448))``, at least ``MIN_EXPONENT``, from
+    the bits of ``amax >= 0`` (fp32, no NaN; int32 out): with ``amax = m * 2**e``
+    (``1 <= m < 2``), ``amax / 448 = (m / 1.75) * 2**(e - 8)``, whose power-of-two ceiling is
+    ``2**(e - 8)`` for ``m <= 1.75`` and ``2**(e - 7)`` above; fp32 division by 448 (or
+    multiplication by its fp32 reciprocal) rounds across no power of two, so this is the
+    ceiling of the rounded quotient too. An infinite ``amax`` gives 247 (``2 ** 120``)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.maximum(exponent, MIN_EXPONENT)
+
+
+@triton.jit
 def pow2_tile_scales(amax):
     """FlashMLA's dequant scale of a tile, ``2 ** ceil(log2(max(amax / 448, 1e-4)))``, exactly.
 
@@ -122,9 +135,7 @@ def pow2_tile_scales(amax):
     division by 448 rounds across no power of two, so this equals the ceiling of the rounded
     quotient. The floor ``1e-4`` becomes ``2**-13``.
     """
-    bits = amax.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    exponent = tl.maximum(exponent, 114)  # MIN_TILE_EXPONENT
+    exponent = pow2_exponent(amax, 114)  # MIN_TILE_EXPONENT
     inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
     return exponent << 23, inverse
 

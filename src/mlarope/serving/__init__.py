@@ -15,6 +15,9 @@ quantization) per stored element, for the common cache formats:
 
 - :func:`rope_append_kv_cache`: rotate ``k_pe`` and write each token into ``slot_mapping[t]``;
 - :func:`rope_decode_query`: ``[T, H, L + R]`` in the input dtype or FP8 e4m3;
+- :func:`rope_inverse_quant_output`: DeepSeek-V4's attention output ``[T, H, D]``, its rope
+  slice inverse-rotated and every head quantized to FP8 e4m3 with a UE8M0 scale per 128
+  channels, for the FP8 grouped output projection;
 - :func:`read_kv_cache`: read entries back, dequantized (tests, debugging, a reference
   attention);
 - :mod:`mlarope.serving.reference`: the same in plain PyTorch.
@@ -26,7 +29,7 @@ ops that declare what they write, and CUDA-graph capturable. See docs/serving.md
 from __future__ import annotations
 
 from . import reference
-from .api import rope_append_kv_cache, rope_decode_query
+from .api import rope_append_kv_cache, rope_decode_query, rope_inverse_quant_output
 from .formats import CACHE_FORMATS
 from .reference import read_kv_cache
 
@@ -36,4 +39,5 @@ __all__ = [
     "reference",
     "rope_append_kv_cache",
     "rope_decode_query",
+    "rope_inverse_quant_output",
 ]

@@ -18,6 +18,11 @@ written. Math runs in fp32 and each stored element is rounded (or quantized) onc
 ``e4m3`` rounds to nearest even and saturates to +-448 (infinities too); NaN gives a NaN code.
 The encoder below does it with integer operations, the same as the kernels, and equals
 ``torch``'s ``x.clamp(-448, 448).to(torch.float8_e4m3fn)`` on every non-NaN value.
+
+:func:`inverse_quant_output` (and :func:`rope_inverse_quant_output`, the public call's form) is
+DeepSeek-V4's attention output for its FP8 grouped output projection: the trailing rope slice
+of ``o: [T, H, D]`` rotated by the inverse angle in fp32, then the whole head quantized to e4m3
+with one UE8M0 scale per 128 channels, ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))``.
 """
 
 from __future__ import annotations
@@ -107,6 +112,21 @@ def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(b == 255, float("nan"), value)
 
 
+def ue8m0_block_exponents(x: torch.Tensor) -> torch.Tensor:
+    """The biased exponents (int32 ``[..., blocks]``) of DeepSeek's UE8M0 activation scales of
+    ``x: [..., blocks, 128]``, exactly: ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))``
+    (``act_quant`` with ``scale_fmt="ue8m0"`` in DeepSeek-V4's inference kernels: ``amax``
+    floored at ``1e-4``, times the fp32 ``1 / 448``, rounded up to a power of two by its bits),
+    ``amax`` the largest magnitude of the block, NaN not counted. From the bits of ``amax`` as
+    :func:`pow2_tile_scales` (``m <= 1.75``: ``2**(e - 8)``, else ``2**(e - 7)``), at least
+    ``2**-22`` (105), the scale of ``amax = 1e-4``; an infinite ``amax`` gives ``2**120``."""
+    x = x.to(torch.float32)
+    amax = torch.where(x.isnan(), 0.0, x.abs()).amax(-1)
+    bits = amax.contiguous().view(torch.int32)
+    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return exponent.clamp(min=105)
+
+
 def e4m3_step(value: torch.Tensor) -> torch.Tensor:
     """The spacing of e4m3 values at magnitude ``|value|`` (fp64): ``2**(floor(log2|v|) - 3)``
     for normal magnitudes, ``2**-9`` below ``2**-6``."""
@@ -135,9 +155,11 @@ def rotate_rope(
     *,
     interleaved_in: bool,
     interleaved_out: bool,
+    inverse: bool = False,
 ) -> torch.Tensor:
-    """``x: [T, R]`` or ``[T, H, R]`` rotated at ``positions: [T]`` in fp32 -> fp32, same shape;
-    a position outside ``[0, P)`` gives NaN (``cos, sin: [P, R]``)."""
+    """``x: [T, R]`` or ``[T, H, R]`` rotated at ``positions: [T]`` in fp32 -> fp32, same shape
+    (``inverse``: by the negated angle); a position outside ``[0, P)`` gives NaN (``cos, sin:
+    [P, R]``). Each product and sum is rounded to fp32 (PyTorch's own arithmetic)."""
     pos = positions.to(torch.int64)
     rows = cos.shape[0]
     in_range = (pos >= 0) & (pos < rows)
@@ -148,7 +170,7 @@ def rotate_rope(
     rotated = rotate_pairs(
         (x if heads else x.unsqueeze(1)).to(torch.float32), c, s,
         torch.zeros_like(in_range), in_range,
-        interleaved_in=interleaved_in, interleaved_out=interleaved_out, inverse=False,
+        interleaved_in=interleaved_in, interleaved_out=interleaved_out, inverse=inverse,
         transpose=False,
     )  # fmt: skip
     return rotated if heads else rotated.squeeze(1)
@@ -456,3 +478,104 @@ def rope_decode_query(
     with torch.no_grad():
         call.out.copy_(result)
     return call.out
+
+
+# ------------------------------------------------------------------------- the attention output
+OUTPUT_BLOCK = 128  # channels per UE8M0 scale (DeepSeek's FP8 activation block)
+# fp32 scales; UE8M0 bytes (float8_e8m0fnu where this torch has it, or uint8); four UE8M0
+# bytes to an int32 element.
+OUTPUT_SCALE_DTYPES = tuple(
+    d
+    for d in (torch.float32, getattr(torch, "float8_e8m0fnu", None), torch.uint8, torch.int32)
+    if d is not None
+)
+
+
+def output_scale_shape(n_tokens: int, groups: int, width: int, dtype: torch.dtype) -> tuple:
+    """``scale_out``'s shape for ``[T, G, width]`` codes: one scale per 128 channels, four to an
+    element for int32 (packed UE8M0 bytes)."""
+    blocks = width // OUTPUT_BLOCK
+    return (n_tokens, groups, blocks // 4 if dtype == torch.int32 else blocks)
+
+
+@torch.no_grad()
+def inverse_quant_output(
+    o: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    groups: int,
+    scale_dtype: torch.dtype,
+    interleaved_in: bool,
+    interleaved_out: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o: [T, H, D]`` (checked; ``D`` a multiple of 128, the trailing ``R = cos.shape[-1]``
+    channels rotary) -> ``(codes, scales)``: ``codes`` ``uint8`` e4m3 ``[T, G, (H / G) * D]``
+    (``G = groups``; head ``h`` at ``[:, h // (H / G), (h % (H / G)) * D:][:D]``), the rope slice
+    rotated by the inverse angle in fp32 and every channel ``e4m3(x / s)`` with ``s`` its
+    128-channel block's :func:`ue8m0_block_exponents` scale; ``scales`` ``[T, G, (H / G) * D /
+    128]`` as ``scale_dtype``: fp32 values, UE8M0 bytes (``float8_e8m0fnu`` or ``uint8``), or
+    int32 (``[.., / 4]``: four bytes to an element, block ``k`` in byte ``k % 4``)."""
+    n_tokens, n_heads, head_dim = o.shape
+    rope_dim = cos.shape[1]
+    nope = head_dim - rope_dim
+    rope = rotate_rope(
+        o[..., nope:], cos, sin, positions, interleaved_in=interleaved_in,
+        interleaved_out=interleaved_out, inverse=True,
+    )  # fmt: skip
+    x = torch.cat((o[..., :nope].to(torch.float32), rope), dim=-1)
+    x = x.reshape(n_tokens, n_heads, head_dim // OUTPUT_BLOCK, OUTPUT_BLOCK)
+    exponent = ue8m0_block_exponents(x)
+    inverse = ((254 - exponent) << 23).view(torch.float32)
+    codes = e4m3_encode(x * inverse.unsqueeze(-1)).reshape(n_tokens, groups, -1)
+    exponent = exponent.reshape(n_tokens, groups, -1)
+    if scale_dtype == torch.float32:
+        scales = (exponent << 23).view(torch.float32)
+    elif scale_dtype == torch.int32:
+        scales = exponent.to(torch.uint8).reshape(n_tokens, groups, -1, 4).view(torch.int32)
+        scales = scales.squeeze(-1)
+    else:
+        scales = exponent.to(torch.uint8).view(scale_dtype)
+    return codes, scales
+
+
+def rope_inverse_quant_output(
+    o: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    groups: int = 1,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    scale_dtype: torch.dtype | None = None,
+    interleaved: bool = True,
+    interleaved_out: bool = True,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mlarope.serving.rope_inverse_quant_output` in plain PyTorch: the same arguments,
+    checks, errors and result (``out`` and ``scale_out`` themselves when given), computed by
+    :func:`inverse_quant_output`."""
+    from .._checks import validation_requested
+    from . import output  # output imports this module
+
+    call = output.check_output_call(
+        o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
+        interleaved_out,
+    )  # fmt: skip
+    if validation_requested(validate):
+        output.validate_output_on_device(call)
+    codes, scales = inverse_quant_output(
+        call.o, call.cos, call.sin, call.positions, groups=call.groups,
+        scale_dtype=call.scale_dtype, interleaved_in=call.interleaved,
+        interleaved_out=call.interleaved_out,
+    )  # fmt: skip
+    result = (
+        call.out if call.out is not None else torch.empty_like(codes, dtype=torch.float8_e4m3fn)
+    )
+    scale = call.scale_out if call.scale_out is not None else torch.empty_like(scales)
+    with torch.no_grad():
+        result.view(torch.uint8).copy_(codes)
+        scale.copy_(scales)
+    return result, scale
