@@ -2,10 +2,11 @@
 compiler made.
 
 ``python benchmarks/serving_kernel_report.py`` prints, per serving kernel at DeepSeek-V3 shapes
-with the prefill batch's launch configuration: registers and spill bytes (``ptxas -v``) and
-the instructions that matter (hardware FP8 and bf16 conversions, IEEE vs approximate
-division, 16-byte vector copies, 64-bit divisions). ``tests/test_serving_compiled.py`` runs it
-on every lane. It compiles as ``kernel_report.py`` does: Triton's bundled ``ptxas``, no GPU.
+(the fp8_584 append and the attention output at DeepSeek-V4's) with the prefill batch's launch
+configuration: registers and spill bytes (``ptxas -v``) and the instructions that matter
+(hardware FP8 and bf16 conversions, IEEE vs approximate division, 16-byte vector copies, 64-bit
+divisions, rounded multiplications and fused multiply-adds). ``tests/test_serving_compiled.py``
+runs it on every lane. It compiles as ``kernel_report.py`` does: Triton's bundled ``ptxas``, no GPU.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from kernel_report import compile_report  # benchmarks/kernel_report.py (this script's folder)
+from mlarope.kernels import output_quant
 from mlarope.kernels import serving as kernels
 
 REPORT_PATTERNS = {
@@ -24,6 +26,8 @@ REPORT_PATTERNS = {
     "div.rn": r"div\.rn\.f32",
     "div approx": r"div\.(full|approx)\.f32",
     "div/rem.64": r"(div|rem)\.[su]64",
+    "mul.rn": r"mul\.rn\.f32",
+    "fma.f32": r"fma\.rn\.f32",
 }
 
 
@@ -35,30 +39,34 @@ def kernel_report() -> list[dict]:
     division, 16-byte vector stores of the copies. Needs Triton's bundled ptxas, not a GPU."""
 
     def compile_one(name, fn, pointers, constexprs, num_warps) -> dict:
+        scalars = {"scale_value": "fp32"} if "scale_value" in fn.arg_names else {}
         r = compile_report(
-            fn, pointers, constexprs, num_warps, name, scalar_types={"scale_value": "fp32"},
+            fn, pointers, constexprs, num_warps, name, scalar_types=scalars,
             patterns=REPORT_PATTERNS,
         )  # fmt: skip
         row = {"kernel": name, "warps": num_warps, "registers": r.registers}
         return {**row, "spill bytes": r.spill_bytes, **r.counts}
 
     tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "scale_ptr": "*fp32"}
-    ac = kernels.choose_append_config(16384, 512)
     rows = []
-    for name, nope_mode, rope_mode, kvc, dst, fp8_656 in (
-        ("append concat bf16", 0, 5, "*i16", "*i16", False),
-        ("append concat fp8", 1, 1, "*bf16", "*u8", False),
-        ("append fp8_656", 2, 5, "*bf16", "*u8", True),
+    # (name, NOPE_MODE, ROPE_MODE, kv_c, destination, tiles, ROPE_OFFSET, TILE_OFFSET, L);
+    # fp8_584 at DeepSeek-V4's shapes (L = 448) and FlashMLA's block size of 64.
+    for name, nope_mode, rope_mode, kvc, dst, tiles, rope_at, tile_at, latent in (
+        ("append concat bf16", 0, 5, "*i16", "*i16", "*i32", 512, 0, 512),
+        ("append concat fp8", 1, 1, "*bf16", "*u8", "*i32", 512, 0, 512),
+        ("append fp8_656", 2, 5, "*bf16", "*u8", "*i32", 264, 128, 512),
+        ("append fp8_584", 6, 5, "*bf16", "*u8", "*u8", 224, 64 * 576, 448),
     ):
+        ac = kernels.choose_append_config(16384, latent)
         pointers = dict(
             tables, slot_ptr="*i64", kvc_ptr=kvc, kpe_ptr="*bf16", nope_ptr=dst,
-            rope_ptr="*i16" if fp8_656 else dst, tile_ptr="*i32",
+            rope_ptr="*i16" if nope_mode in (2, 6) else dst, tile_ptr=tiles,
         )  # fmt: skip
         constexprs = dict(
-            ROPE_OFFSET=264 if fp8_656 else 512, TILE_OFFSET=128 if fp8_656 else 0,
-            BLOCK_SHIFT=6, L=512, BLOCK_L=512, HALF=32, BLOCK_T=ac.block_t, NOPE_MODE=nope_mode,
-            ROPE_MODE=rope_mode, SCALE_MODE=2 if nope_mode == 1 else 0, INTERLEAVED_IN=True,
-            INTERLEAVED_OUT=True, NATIVE=True,
+            ROPE_OFFSET=rope_at, TILE_OFFSET=tile_at, BLOCK_SHIFT=6, L=latent, BLOCK_L=512,
+            HALF=32, BLOCK_T=ac.block_t, NOPE_MODE=nope_mode, ROPE_MODE=rope_mode,
+            SCALE_MODE=2 if nope_mode == 1 else 0, INTERLEAVED_IN=True, INTERLEAVED_OUT=True,
+            NATIVE=True,
         )  # fmt: skip
         rows.append(compile_one(name, kernels._rope_append_kernel, pointers, constexprs,
                                 ac.num_warps))  # fmt: skip
@@ -75,6 +83,19 @@ def kernel_report() -> list[dict]:
         )  # fmt: skip
         rows.append(compile_one(name, kernels._rope_decode_query_kernel, pointers, constexprs,
                                 qc.num_warps))  # fmt: skip
+    # The attention output at DeepSeek-V4-Pro's prefill shape (128 heads of 512, 16 groups).
+    oc = output_quant.choose_output_config(16384, 128)
+    for name, scale_ptr, pack, fmt in (
+        ("output fp8, fp32 scales", "*i32", 1, output_quant.SCALE_FP32),
+        ("output fp8, packed ue8m0", "*i32", 4, output_quant.SCALE_E8M0),
+    ):
+        pointers = dict(tables, o_ptr="*bf16", out_ptr="*u8", scale_ptr=scale_ptr)
+        constexprs = dict(
+            D=512, HALF=32, HEADS_PER_GROUP=8, BLOCK_T=oc.block_t, BLOCK_H=oc.block_h, PACK=pack,
+            SCALE_FMT=fmt, INTERLEAVED_IN=True, INTERLEAVED_OUT=True, NATIVE=True,
+        )  # fmt: skip
+        rows.append(compile_one(name, output_quant._rope_inverse_quant_kernel, pointers,
+                                constexprs, oc.num_warps))  # fmt: skip
     return rows
 
 

@@ -100,3 +100,28 @@ def stored_model(truth, arith, dtype, scale=None) -> tuple[torch.Tensor, torch.T
 
     model, low, high = stored(truth), stored(truth - slack), stored(truth + slack)
     return model, (high - low).abs()
+
+
+def model1_cache(n_blocks: int, block_size: int, device, *, dtype=torch.uint8, four_d=True,
+                 gen=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(raw, cache)``: a DeepSeek-V4 FP8 cache as FlashMLA's ``quantize_k_cache`` allocates it
+    for ``MODEL1_FP8Sparse``: ``raw [num_blocks, ceil(block_size * 584 / 576) * 576]`` bytes
+    (random where ``gen`` is given, else zero) and ``cache``, its view ``[:, :block_size * 584]``
+    as ``[num_blocks, block_size, 1, 584]`` (or 3-D) of ``dtype``."""
+    padded = -(-block_size * 584 // 576) * 576
+    if gen is None:
+        raw = torch.zeros(n_blocks, padded, dtype=torch.uint8)
+    else:
+        raw = torch.randint(0, 256, (n_blocks, padded), generator=gen, dtype=torch.uint8)
+    raw = raw.to(device)
+    cache = raw.view(dtype)[:, : block_size * 584]
+    shape = (n_blocks, block_size, 1, 584) if four_d else (n_blocks, block_size, 584)
+    return raw, cache.view(shape)
+
+
+def flashmla_model1_scales(x: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's MODEL1 tile scales as its reference quantizer computes them (tests/quant.py):
+    per 64-channel tile ``amax / 448`` in fp32, floored at ``1e-4``, ``2 ** ceil(log2(.))`` with
+    torch's fp32 ``log2`` and ``pow``: ``x: [n, 448]`` -> ``[n, 7]`` fp32."""
+    amax = x.float().reshape(x.shape[0], 7, 64).abs().amax(-1)
+    return torch.pow(2, (amax / 448.0).clamp_min(1e-4).log2().ceil()).to(torch.float32)

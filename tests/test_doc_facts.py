@@ -181,6 +181,7 @@ API_ROWS = {
     "YarnConfig": mlarope.YarnConfig,
     "mlarope.serving.rope_append_kv_cache": mlarope.serving.rope_append_kv_cache,
     "mlarope.serving.rope_decode_query": mlarope.serving.rope_decode_query,
+    "mlarope.serving.rope_inverse_quant_output": mlarope.serving.rope_inverse_quant_output,
 }
 
 

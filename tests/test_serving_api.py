@@ -14,14 +14,15 @@ from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
 from mlarope.kernels._launch import recording
 from mlarope.serving import _plans, formats
 from mlarope.serving import reference as ref
-from tests.serving_support import tables
+from tests.serving_support import model1_cache, tables
 
 L, R, T, H = 512, 64, 4, 3
 
 
 def _append_args(device, fmt="concat", cache_dtype=torch.bfloat16, **changes):
     gen = torch.Generator().manual_seed(0)
-    kv_c = torch.randn(T, L, generator=gen).to(torch.bfloat16).to(device)
+    latent = 448 if fmt == "fp8_584" else L
+    kv_c = torch.randn(T, latent, generator=gen).to(torch.bfloat16).to(device)
     k_pe = torch.randn(T, R, generator=gen).to(torch.bfloat16).to(device)
     cos, sin = tables(R, 32, device)
     positions = torch.tensor([1, 5, 0, 31], device=device)
@@ -33,12 +34,14 @@ def _append_args(device, fmt="concat", cache_dtype=torch.bfloat16, **changes):
             torch.zeros(2, 4, L, dtype=cache_dtype, device=device),
             torch.zeros(2, 4, R, dtype=cache_dtype, device=device),
         )
+    elif fmt == "fp8_584":
+        cache = model1_cache(2, 4, device)[1]
     else:
         cache = torch.zeros(2, 4, 656, dtype=torch.uint8, device=device)
     args = dict(
         kv_c=kv_c, k_pe=k_pe, cos=cos, sin=sin, positions=positions, cache=cache,
         slot_mapping=slots, cache_format=fmt,
-        kv_scale=0.05 if cache_dtype in formats.FP8_DTYPES and fmt != "fp8_656" else None,
+        kv_scale=0.05 if cache_dtype in formats.FP8_DTYPES and fmt in ("concat", "split") else None,
     )  # fmt: skip
     args.update(changes)
     return args
@@ -202,6 +205,55 @@ def test_split_and_fp8_656_cache_checks():
         _append(_append_args("cpu", fmt="fp8_656", kv_c=torch.zeros(T, 256, dtype=torch.bfloat16)))
 
 
+def _fp8_584_bad_caches():
+    """Caches that are not FlashMLA's MODEL1 layout, each with the error naming it."""
+    raw, good = model1_cache(2, 4, "cpu")
+    contiguous = torch.zeros(2, 4, 1, 584, dtype=torch.uint8)  # blocks 2,336 bytes apart
+    # blocks a multiple of 576 apart, but overlapping (1,728 < 2,336)
+    short = torch.zeros(2 * 2880, dtype=torch.uint8).as_strided((2, 4, 584), (576 * 3, 584, 1))
+    misaligned = torch.zeros(2 * 2880 + 16, dtype=torch.uint8)[8:].as_strided(
+        (2, 4, 584), (2880, 584, 1)
+    )
+    entries_apart = torch.zeros(2, 4, 1, 592, dtype=torch.uint8)[..., :584]
+    return [
+        (good.view(torch.float16)[..., :292], TypeError, "an fp8_584 cache holds bytes"),
+        (raw[:, : 4 * 584].view(2, 4, 2, 292), ValueError,
+         "must be [num_blocks, block_size, 584] or [num_blocks, block_size, 1, 584]"),
+        (good[..., :583], ValueError, "got shape (2, 4, 1, 583)"),
+        (entries_apart, ValueError, "must be 584 bytes apart within a block"),
+        (contiguous, ValueError, "must be a multiple of 576 bytes apart, and at least "
+                                 "block_size * 584 = 2336"),
+        (short, ValueError, "got strides (1728, 584, 1)"),
+        (misaligned, ValueError, "an fp8_584 cache must be 16-byte aligned"),
+        (good.transpose(0, 1), ValueError, "must be 584 bytes apart within a block"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(_fp8_584_bad_caches())))
+def test_fp8_584_cache_checks(index):
+    """A cache that is not DeepSeek-V4's FP8 layout as FlashMLA allocates it is refused, with
+    an error that names it: the format did not exist (``cache_format must be one of``)."""
+    cache, error, message = _fp8_584_bad_caches()[index]
+    with pytest.raises(error, match=re.escape(message)):
+        _append(_append_args("cpu", fmt="fp8_584", cache=cache))
+
+
+def test_fp8_584_shape_and_scale_checks():
+    with pytest.raises(ValueError, match=r"holds L = 448 latent and R = 64 .* got L = kv_c.shape"):
+        _append(_append_args("cpu", fmt="fp8_584", kv_c=torch.zeros(T, 512, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="kv_scale must be None for cache_format='fp8_584'"):
+        _append(_append_args("cpu", fmt="fp8_584", kv_scale=0.5))
+    args = _append_args("cpu", fmt="fp8_584")
+    cos, sin = tables(32, 32, "cpu")
+    with pytest.raises(ValueError, match=re.escape("k_pe.shape[-1] must equal the rope dim R")):
+        _append(dict(args, cos=cos, sin=sin))
+    # the 3-D form, a float8 and an int8 cache, a single block: accepted
+    raw, cache = model1_cache(1, 4, "cpu", dtype=torch.float8_e4m3fn, four_d=False)
+    _append(dict(args, cache=cache, slot_mapping=torch.tensor([3, -1, 0, 2])))
+    _append(dict(args, cache=model1_cache(2, 4, "cpu", dtype=torch.int8)[1]))
+    assert raw.any()
+
+
 def test_append_refuses_gradients_and_inference_caches():
     kv_c = torch.zeros(T, L, dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(ValueError, match="kv_c requires grad; the serving ops are not differ"):
@@ -274,6 +326,7 @@ def _read_cases():
     fp8 = torch.zeros(2, 4, L + R, dtype=torch.uint8)
     split = (torch.zeros(2, 4, L, dtype=torch.bfloat16), torch.zeros(2, 4, R, dtype=torch.bfloat16))
     records = torch.zeros(2, 4, 656, dtype=torch.uint8)
+    v4 = model1_cache(2, 4, "cpu")[1]
     ok = torch.tensor([0, 7])
     return [
         # slots: -1 (padding) read the last slot's entry, floats were truncated
@@ -321,6 +374,20 @@ def _read_cases():
         ((concat, ok, "concat", R, 0.5), ValueError, "kv_scale must be None for a torch.bfloat16"),
         ((records, ok, "fp8_656", None, 0.5), ValueError,
          "kv_scale must be None for cache_format='fp8_656'"),
+        # fp8_584: FlashMLA's layout, checked as the writer checks it
+        ((v4, ok, "fp8_584", None, 0.5), ValueError,
+         "kv_scale must be None for cache_format='fp8_584'"),
+        ((v4, ok, "fp8_584", 32, None), ValueError, "an fp8_584 cache holds R = 64 rope values"),
+        ((records, ok, "fp8_584", None, None), ValueError,
+         "an fp8_584 cache must be [num_blocks, block_size, 584]"),
+        ((torch.zeros(2, 4, 584, dtype=torch.uint8), ok, "fp8_584", None, None), ValueError,
+         "the blocks of an fp8_584 cache must be a multiple of 576 bytes apart"),
+        ((v4.view(torch.int16)[..., :292], ok, "fp8_584", None, None), TypeError,
+         "an fp8_584 cache holds bytes"),
+        ((v4, torch.tensor([8]), "fp8_584", None, None), ValueError,
+         "slots[0] = 8 is outside the cache: slots are in [0, 8) (2 blocks x 4)"),
+        ((v4, torch.tensor([2, -1]), "fp8_584", None, None), ValueError,
+         "slots[1] = -1, the padding marker"),
     ]  # fmt: skip
 
 
@@ -337,14 +404,17 @@ def test_read_kv_cache_checks(index):
 
 def test_read_kv_cache_reads_what_was_written(device):
     """The checked reader still reads every format back, slots of either index dtype."""
-    for fmt, dtype in (("concat", torch.uint8), ("split", torch.bfloat16), ("fp8_656", None)):
+    for fmt, dtype in (
+        ("concat", torch.uint8), ("split", torch.bfloat16), ("fp8_656", None), ("fp8_584", None),
+    ):  # fmt: skip
         args = _append_args(device, fmt=fmt, cache_dtype=dtype)
         _append(args)
         written = torch.tensor([3, 0, 6], dtype=torch.int32, device=device)
         latent, rope = serving.read_kv_cache(
             args["cache"], written, cache_format=fmt, rope_dim=R, kv_scale=args["kv_scale"]
         )
-        assert latent.shape == (3, L) and rope.shape == (3, R) and latent.dtype == torch.float32
+        width = args["kv_c"].shape[1]
+        assert latent.shape == (3, width) and rope.shape == (3, R) and latent.dtype == torch.float32
         want = args["kv_c"][[0, 2, 3]].float()
         tolerance = 0.0 if fmt == "split" else 0.07 * want.abs() + 0.05
         assert bool(((latent - want).abs() <= tolerance).all()), fmt
@@ -400,7 +470,7 @@ def test_query_validation(device):
 @pytest.mark.parametrize(
     "fmt,cache_dtype,scale",
     [("concat", torch.bfloat16, None), ("split", torch.uint8, "tensor"), ("fp8_656", None, None),
-     ("concat", torch.float8_e4m3fn, "value")],
+     ("concat", torch.float8_e4m3fn, "value"), ("fp8_584", None, None)],
 )  # fmt: skip
 def test_append_plan_replays_the_pipeline(device, monkeypatch, fmt, cache_dtype, scale):
     """A repeated call takes its plan (no checks run) and writes what the pipeline writes, on
@@ -416,7 +486,8 @@ def test_append_plan_replays_the_pipeline(device, monkeypatch, fmt, cache_dtype,
 
     gen = torch.Generator().manual_seed(7)
     fresh = _append_args(device, fmt=fmt, cache_dtype=cache_dtype)
-    fresh["kv_c"] = torch.randn(T, L, generator=gen).to(torch.bfloat16).to(device)
+    fresh["kv_c"] = torch.randn(T, base["kv_c"].shape[1], generator=gen).to(torch.bfloat16)
+    fresh["kv_c"] = fresh["kv_c"].to(device)
     fresh["slot_mapping"] = torch.tensor([7, 2, -1, 4], device=device)
     if scale == "tensor":
         fresh["kv_scale"] = torch.tensor([0.125], device=device)
@@ -526,7 +597,9 @@ def test_query_plan(device, monkeypatch):
 def test_one_launch_per_call(device):
     """Each op is one kernel launch (the pipeline, validated so that it records no plan of its
     own; a plan replays that one launch)."""
-    for fmt, dtype in (("concat", torch.uint8), ("split", torch.bfloat16), ("fp8_656", None)):
+    for fmt, dtype in (
+        ("concat", torch.uint8), ("split", torch.bfloat16), ("fp8_656", None), ("fp8_584", None),
+    ):  # fmt: skip
         with recording() as launches:
             _append(_append_args(device, fmt=fmt, cache_dtype=dtype), validate=True)
         assert len(launches) == 1, fmt
@@ -568,6 +641,25 @@ def test_torch_compile_fullgraph(device):
         assert torch.equal(e, c)
 
 
+def test_torch_compile_fp8_584(device):
+    """The DeepSeek-V4 cache under torch.compile(fullgraph=True): the custom op writes the
+    strided cache view (blocks padded to 576 bytes) as eager does, padding untouched."""
+    torch._dynamo.reset()
+    a = _append_args(device, fmt="fp8_584")
+
+    def step(kv_c, k_pe, positions, slots, cache):
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, a["cos"], a["sin"], positions, cache, slots, cache_format="fp8_584"
+        )
+
+    raws = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        raw, cache = model1_cache(2, 4, device, gen=torch.Generator().manual_seed(4))
+        fn(a["kv_c"], a["k_pe"], a["positions"], a["slot_mapping"], cache)
+        raws.append(raw)
+    assert torch.equal(raws[0], raws[1])
+
+
 def test_torch_compile_refuses_shared_memory(device):
     """Under torch.compile(fullgraph=True), where tracing sees no addresses, a cache that holds
     kv_c and an out that holds q_pe are still refused, when the graph runs (the eager checks
@@ -601,7 +693,7 @@ def test_torch_compile_refuses_shared_memory(device):
 
 # ---------------------------------------------------------------------------- GPU: graphs
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["concat", "fp8_656"])
+@pytest.mark.parametrize("fmt", ["concat", "fp8_656", "fp8_584"])
 def test_cuda_graph_decode_step(fmt):
     """One decode step (query and cache append) captured once, replayed with new positions,
     slots, scale and inputs each time: each replay writes what the reference writes."""
@@ -609,7 +701,8 @@ def test_cuda_graph_decode_step(fmt):
     cos, sin = tables(R, 64, device)
     n_tok, heads = 8, 16
     gen = torch.Generator().manual_seed(3)
-    kv_c = torch.zeros(n_tok, L, dtype=torch.bfloat16, device=device)
+    latent = 448 if fmt == "fp8_584" else L
+    kv_c = torch.zeros(n_tok, latent, dtype=torch.bfloat16, device=device)
     k_pe = torch.zeros(n_tok, R, dtype=torch.bfloat16, device=device)
     q_nope = torch.zeros(n_tok, heads, L, dtype=torch.bfloat16, device=device)
     q_pe = torch.zeros(n_tok, heads, R, dtype=torch.bfloat16, device=device)
@@ -617,9 +710,12 @@ def test_cuda_graph_decode_step(fmt):
     slots = torch.full((n_tok,), -1, dtype=torch.int64, device=device)
     scale = torch.tensor([1.0], device=device)
     out = torch.empty(n_tok, heads, L + R, dtype=torch.float8_e4m3fn, device=device)
-    shape = (16, 4, 656) if fmt == "fp8_656" else (16, 4, L + R)
-    cache = torch.zeros(shape, dtype=torch.uint8, device=device)
-    kv_scale = None if fmt == "fp8_656" else scale
+    if fmt == "fp8_584":
+        raw, cache = model1_cache(16, 4, device)
+    else:
+        shape = (16, 4, 656) if fmt == "fp8_656" else (16, 4, L + R)
+        raw = cache = torch.zeros(shape, dtype=torch.uint8, device=device)
+    kv_scale = None if fmt in ("fp8_656", "fp8_584") else scale
 
     def step():
         serving.rope_append_kv_cache(
@@ -638,7 +734,8 @@ def test_cuda_graph_decode_step(fmt):
         step()
     for replay in range(3):
         new = {
-            kv_c: torch.randn(n_tok, L, generator=gen), k_pe: torch.randn(n_tok, R, generator=gen),
+            kv_c: torch.randn(n_tok, latent, generator=gen),
+            k_pe: torch.randn(n_tok, R, generator=gen),
             q_nope: torch.randn(n_tok, heads, L, generator=gen),
             q_pe: torch.randn(n_tok, heads, R, generator=gen),
             positions: torch.randint(0, 64, (n_tok,), generator=gen),
@@ -648,7 +745,10 @@ def test_cuda_graph_decode_step(fmt):
         }  # fmt: skip
         for dst, src in new.items():
             dst.copy_(src)
-        expected_cache = cache.cpu()  # before the step, then written by the reference
+        expected_raw = raw.cpu()  # before the step, then written by the reference
+        expected_cache = (
+            expected_raw[:, : 4 * 584].view(16, 4, 1, 584) if fmt == "fp8_584" else expected_raw
+        )
         ref.append_kv_cache(
             kv_c.cpu(), k_pe.cpu(), cos.cpu(), sin.cpu(), positions.cpu(), expected_cache, None,
             slots.cpu(), cache_format=fmt, kv_scale=None if kv_scale is None else scale.cpu(),
@@ -666,7 +766,7 @@ def test_cuda_graph_decode_step(fmt):
         assert torch.equal(got_q[..., :L], want_q[..., :L])
         # rope codes: at most one step apart (fused multiply-adds in the kernel)
         _assert_codes_close(got_q[..., L:], want_q[..., L:])
-        _assert_cache_close(cache.cpu(), expected_cache, fmt)
+        _assert_cache_close(raw.cpu(), expected_raw, fmt)
 
 
 def _assert_codes_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -675,7 +775,14 @@ def _assert_codes_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def _assert_cache_close(got, want, fmt):
-    if fmt == "fp8_656":
+    if fmt == "fp8_584":  # raw blocks: data rows of 576 (448 codes, 64 bf16), then scale rows
+        rows, rows_want = got[:, : 4 * 576].reshape(-1, 576), want[:, : 4 * 576].reshape(-1, 576)
+        assert torch.equal(rows[:, :448], rows_want[:, :448])  # codes: exact
+        assert torch.equal(got[:, 4 * 576 :], want[:, 4 * 576 :])  # scale rows, pad, padding
+        rope_got = rows[:, 448:].contiguous().view(torch.bfloat16).float()
+        rope_want = rows_want[:, 448:].contiguous().view(torch.bfloat16).float()
+        assert torch.allclose(rope_got, rope_want, rtol=2**-7, atol=0, equal_nan=True)
+    elif fmt == "fp8_656":
         assert torch.equal(got[..., :528], want[..., :528])  # codes and tile scales: exact
         rope_got = got[..., 528:].contiguous().view(torch.bfloat16).float()
         rope_want = want[..., 528:].contiguous().view(torch.bfloat16).float()

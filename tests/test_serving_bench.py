@@ -28,6 +28,18 @@ def test_bytes_model_deepseek_v3():
     assert bench.bytes_moved(op["query_fp8_out"], t, dims) == t * 128 * 576 * (2 + 1)
 
 
+def test_bytes_model_deepseek_v4():
+    dims = bench.Dims()
+    t = 16384
+    op = bench.OPS_BY_KEY
+    # read kv_c (448) and k_pe (64) in bf16, write 584 bytes (a 576-byte data row, 8 of scales)
+    assert bench.bytes_moved(op["append_fp8_584"], t, dims) == t * (512 * 2 + 584)
+    # read o [T, 128, 512] bf16, write the codes and one fp32 scale per 128 channels
+    for key in ("output_fp8", "output_fp8_vllm"):
+        assert bench.bytes_moved(op[key], t, dims) == t * 128 * (512 * 2 + 512 + 4 * 4)
+    assert dims.heads // dims.heads_per_group == 16  # V4-Pro's o_groups
+
+
 def _run(tmp_path, *argv):
     parser = __import__("argparse").ArgumentParser()
     bench.add_arguments(parser)
@@ -60,11 +72,15 @@ def test_cpu_smoke_reference_backend(tmp_path, monkeypatch):
 @pytest.mark.cpu
 def test_cpu_smoke_kernels_and_sweep(tmp_path):
     """The kernels (interpreter) through the harness, and the launch-configuration sweep."""
-    data = _run(tmp_path, "--cases", "prefill", "--ops", "append_fp8_656,query_fp8", "--sweep")
+    ops = "append_fp8_656,query_fp8,append_fp8_584,output_fp8_vllm"
+    data = _run(tmp_path, "--cases", "prefill", "--ops", ops, "--sweep")
+    assert len(data["rows"]) == 4
     assert all(not r["error"] and r["check"]["ok"] for r in data["rows"]), data["rows"]
     variants = {(s["op"], s["variant"]) for s in data["sweep"]}
     assert ("append_fp8_656", "heuristic") in variants
     assert ("query_fp8", "heuristic, integer e4m3 encoder") in variants
+    assert ("append_fp8_584", "heuristic, integer e4m3 encoder") in variants
+    assert ("output_fp8_vllm", "heuristic, integer e4m3 encoder") in variants
     assert not [s for s in data["sweep"] if "error" in s]
 
 

@@ -5,7 +5,7 @@ runs, checked on every lane.
 FP8 goes through the hardware's saturating conversion and per-tensor scales through IEEE
 division (never Triton's approximate ``/``); bf16 through the hardware's rounding; no register
 spills; the latent copies and codes as 16-byte vector stores; page arithmetic by shifts, not
-emulated 64-bit divisions.
+emulated 64-bit divisions; the attention output's rotation without fused multiply-adds.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def report() -> dict:
 
 def test_every_kernel_compiled(report):
     assert set(report) == {
-        "append concat bf16", "append concat fp8", "append fp8_656", "query bf16", "query fp8",
+        "append concat bf16", "append concat fp8", "append fp8_656", "append fp8_584",
+        "query bf16", "query fp8", "output fp8, fp32 scales", "output fp8, packed ue8m0",
     }  # fmt: skip
 
 
@@ -53,17 +54,28 @@ def test_no_spills_no_approximate_division_no_64_bit_division(report):
 
 
 def test_hardware_conversions_and_ieee_division(report):
-    for name in ("append concat fp8", "append fp8_656", "query fp8"):
+    for name in ("append concat fp8", "append fp8_656", "append fp8_584", "query fp8",
+                 "output fp8, fp32 scales", "output fp8, packed ue8m0"):  # fmt: skip
         assert report[name]["cvt e4m3"] > 0, name
     for name in ("append concat fp8", "query fp8"):  # per-tensor scales: x / scale
         assert report[name]["div.rn"] > 0, name
-    for name in ("append concat bf16", "append fp8_656", "query bf16"):
+    for name in ("append concat bf16", "append fp8_656", "append fp8_584", "query bf16"):
         assert report[name]["cvt bf16"] > 0, name
 
 
 def test_copies_are_16_byte_vectors(report):
-    for name in ("append concat bf16", "append concat fp8", "append fp8_656"):
+    for name in ("append concat bf16", "append concat fp8", "append fp8_656", "append fp8_584"):
         assert report[name]["st.global.v4"] >= 1 and report[name]["ld.global.v4"] >= 1, name
     for name in ("query bf16", "query fp8"):
         row = report[name]
         assert row["st.global.v4"] == row["st.global"], (name, row)
+
+
+def test_output_rotation_rounds_each_product(report):
+    """The attention output's inverse rotation multiplies with ``mul.rn.f32`` and has no fused
+    multiply-add: its fp32 values, so its bytes, are PyTorch's on every backend; its codes
+    leave as 16-byte vectors."""
+    for name in ("output fp8, fp32 scales", "output fp8, packed ue8m0"):
+        row = report[name]
+        assert row["mul.rn"] > 0 and row["fma.f32"] == 0, (name, row)
+        assert row["st.global.v4"] >= 4, (name, row)

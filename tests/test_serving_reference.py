@@ -17,7 +17,7 @@ import torch
 
 from mlarope import serving
 from mlarope.serving import reference as ref
-from tests.serving_support import tables
+from tests.serving_support import model1_cache, tables
 
 ROWS, T, H = 64, 6, 2
 
@@ -40,6 +40,8 @@ def _cache(fmt: str, dtype: torch.dtype, latent: int, rope: int):
     gen = torch.Generator().manual_seed(1)
     if fmt == "fp8_656":
         return torch.randint(0, 256, (3, 4, 656), dtype=torch.uint8, generator=gen)
+    if fmt == "fp8_584":
+        return model1_cache(3, 4, "cpu", gen=gen)[1]
     if fmt == "split":
         return (
             torch.randn(3, 4, latent, generator=gen).to(dtype),
@@ -49,7 +51,10 @@ def _cache(fmt: str, dtype: torch.dtype, latent: int, rope: int):
 
 
 def _clone(cache):
-    return tuple(c.clone() for c in cache) if isinstance(cache, tuple) else cache.clone()
+    if isinstance(cache, tuple):
+        return tuple(c.clone() for c in cache)
+    # with the same strides (fp8_584: blocks padded to a multiple of 576 bytes)
+    return torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype).copy_(cache)
 
 
 def _bytes(cache):
@@ -63,16 +68,17 @@ APPEND = [
     ("split", torch.float16, {"interleaved": False}),
     ("split", torch.uint8, {"kv_scale": torch.tensor([0.03])}),
     ("fp8_656", torch.uint8, {"interleaved": False, "interleaved_out": False}),
+    ("fp8_584", torch.uint8, {"interleaved_out": False}),
 ]
 
 
 @pytest.mark.parametrize(
     ("fmt", "cache_dtype", "kw"),
     APPEND,
-    ids=["concat-bf16", "concat-fp8", "split-fp16", "split-uint8-tensor-scale", "fp8_656"],
+    ids=["concat-bf16", "concat-fp8", "split-fp16", "split-tensor-scale", "fp8_656", "fp8_584"],
 )
 def test_append_writes_what_the_public_call_writes(pytorch_backend, fmt, cache_dtype, kw):
-    latent, rope = (512, 64) if fmt == "fp8_656" else (32, 32)
+    latent, rope = {"fp8_656": (512, 64), "fp8_584": (448, 64)}.get(fmt, (32, 32))
     dtype = torch.bfloat16 if cache_dtype in (torch.float8_e4m3fn, torch.uint8) else cache_dtype
     cos, sin = tables(rope, ROWS, "cpu")
     kv_c = torch.randn(T, latent).to(dtype)

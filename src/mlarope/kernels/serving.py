@@ -4,8 +4,9 @@
   skips tokens whose slot is not in the cache (``-1`` padding, or out of range), rotates
   ``k_pe`` in fp32 at the token's position, and writes the cache entry: the latent ``kv_c``
   (copied, or quantized to FP8 with a per-tensor scale or with FlashMLA's per-tile power-of-two
-  scales, which the program computes) and the rotated rope values (rounded once to the cache's
-  dtype, or quantized).
+  scales, which the program computes: fp32 scales of 128-channel tiles for ``fp8_656``, UE8M0
+  exponent bytes of 64-channel tiles for ``fp8_584``) and the rotated rope values (rounded once
+  to the cache's dtype, or quantized).
 - ``_rope_decode_query_kernel``: one program owns ``BLOCK_T`` tokens x ``BLOCK_H`` heads of
   ``[T, H, L + R]``: the absorbed nope channels copied (or quantized), the rope channels
   rotated in fp32 and rounded (or quantized) once.
@@ -54,13 +55,16 @@ E4M3_TILES = tl.constexpr(2)  # nope: e4m3 codes of x / s_j, s_j per 128-channel
 FP32 = tl.constexpr(3)  # rope: fp32 bits
 FP16 = tl.constexpr(4)  # rope: fp16 bits, rounded to nearest even
 BF16 = tl.constexpr(5)  # rope: bf16 bits, rounded to nearest even
+E8M0_TILES = tl.constexpr(6)  # nope: e4m3 codes of x / s_j, s_j per 64-channel tile (fp8_584),
+# stored as its UE8M0 exponent byte
 
 # Where a per-tensor scale comes from (constexpr SCALE_MODE).
 SCALE_NONE = tl.constexpr(0)
 SCALE_VALUE = tl.constexpr(1)  # an fp32 kernel argument (a Python float)
 SCALE_TENSOR = tl.constexpr(2)  # a 1-element fp32 tensor, read by the kernel
 
-TILE = 128  # FlashMLA's quantization tile of the 512 latent channels
+TILE = 128  # FlashMLA's quantization tile of the 512 latent channels (fp8_656)
+TILE_584 = 64  # and of DeepSeek-V4's 448 (fp8_584)
 MIN_TILE_EXPONENT = 114  # biased exponent of 2**-13, the smallest tile scale
 
 
@@ -109,6 +113,19 @@ def bf16_bits(x, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def pow2_exponent(amax, MIN_EXPONENT: tl.constexpr):
+    """The biased exponent of ``2 ** ceil(log2(amax / 448))``, at least ``MIN_EXPONENT``, from
+    the bits of ``amax >= 0`` (fp32, no NaN; int32 out): with ``amax = m * 2**e``
+    (``1 <= m < 2``), ``amax / 448 = (m / 1.75) * 2**(e - 8)``, whose power-of-two ceiling is
+    ``2**(e - 8)`` for ``m <= 1.75`` and ``2**(e - 7)`` above; fp32 division by 448 (or
+    multiplication by its fp32 reciprocal) rounds across no power of two, so this is the
+    ceiling of the rounded quotient too. An infinite ``amax`` gives 247 (``2 ** 120``)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.maximum(exponent, MIN_EXPONENT)
+
+
+@triton.jit
 def pow2_tile_scales(amax):
     """FlashMLA's dequant scale of a tile, ``2 ** ceil(log2(max(amax / 448, 1e-4)))``, exactly.
 
@@ -118,9 +135,7 @@ def pow2_tile_scales(amax):
     division by 448 rounds across no power of two, so this equals the ceiling of the rounded
     quotient. The floor ``1e-4`` becomes ``2**-13``.
     """
-    bits = amax.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    exponent = tl.maximum(exponent, 114)  # MIN_TILE_EXPONENT
+    exponent = pow2_exponent(amax, 114)  # MIN_TILE_EXPONENT
     inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
     return exponent << 23, inverse
 
@@ -215,14 +230,14 @@ def _rope_append_kernel(
     slot_ptr,  # [T] int32 / int64: block * block_size + offset; outside the cache: skipped
     nope_ptr,  # bits of the latent's destination (concat: the cache; split: ckv)
     rope_ptr,  # bits of the rope values' destination (concat: the cache; split: kpe)
-    tile_ptr,  # int32 view of fp8_656 records (the tile scales); unused otherwise
+    tile_ptr,  # the tile scales: int32 view of fp8_656 records, uint8 of fp8_584; else unused
     scale_ptr,  # [1] fp32 dequant scale (SCALE_TENSOR); unused otherwise
     scale_value,  # fp32 dequant scale (SCALE_VALUE)
     n_tokens, n_rows, n_slots, block_size,
     stride_kvc, stride_kpe, stride_pos, stride_slot, stride_table,
     stride_nope_b, stride_nope_s, stride_rope_b, stride_rope_s, stride_tile_b, stride_tile_s,
     ROPE_OFFSET: tl.constexpr,  # first rope element within the rope row (concat: L)
-    TILE_OFFSET: tl.constexpr,  # first scale within the int32 row (fp8_656: 512 / 4)
+    TILE_OFFSET: tl.constexpr,  # first scale within the row (fp8_656: 512 / 4; fp8_584: 576 bs)
     BLOCK_SHIFT: tl.constexpr,  # log2(block_size) for a power of two, else -1
     L: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -261,6 +276,19 @@ def _rope_append_kernel(
     elif NOPE_MODE == E4M3:
         codes = e4m3_codes(quotient(to_f32(x), scale, NATIVE), NATIVE)
         tl.store(nope_ptr + nope_row + c, codes, mask=m_c)
+    elif NOPE_MODE == E8M0_TILES:
+        # fp8_584: tiles of 64 (L = 448: seven, the eighth of BLOCK_L is masked and not stored),
+        # the scale's biased exponent as one byte each.
+        tl.static_assert(L % 64 == 0)
+        x = tl.reshape(to_f32(x), (BLOCK_T, BLOCK_L // 64, 64))
+        amax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=2)
+        scale_bits, inverse = pow2_tile_scales(amax)
+        codes = tl.reshape(e4m3_codes(x * inverse[:, :, None], NATIVE), (BLOCK_T, BLOCK_L))
+        tl.store(nope_ptr + nope_row + c, codes, mask=m_c)
+        i = tl.arange(0, BLOCK_L // 64)[None, :]
+        tile_row = (block * stride_tile_b + entry * stride_tile_s)[:, None] + TILE_OFFSET
+        exponent = (scale_bits >> 23).to(tl.uint8)
+        tl.store(tile_ptr + tile_row + i, exponent, mask=m_w[:, None] & (i < L // 64))
     else:
         tl.static_assert(L % 128 == 0)
         tl.static_assert(BLOCK_L == L)
@@ -474,14 +502,18 @@ def rope_append_launch(
     interleaved_in: bool,
     interleaved_out: bool,
     config: AppendConfig | None = None,
+    tile_offset: int | None = None,
 ) -> None:
     """Rotate and write ``T`` tokens into a paged cache.
 
     ``kv_c: [T, L]`` (its bits for ``nope_mode`` COPY), ``k_pe: [T, R]``, ``cos, sin: [P, R]``
     (equal strides), ``positions, slot_mapping: [T]``; ``nope_dst: [blocks, block_size, >= L]``
     and ``rope_dst: [blocks, block_size, >= rope_offset + R]`` integer views of the cache
-    (the same tensor for a concatenated layout); ``tiles``: the int32 view
-    ``[blocks, block_size, 164]`` of fp8_656 records, else None.
+    (the same tensor for a concatenated layout; only their address, dtype and first two
+    strides are used); ``tiles``: the int32 view ``[blocks, block_size, 164]`` of fp8_656
+    records, or a ``uint8`` view whose entry ``(b, e)`` is ``tile_offset`` bytes before the
+    token's fp8_584 scale row, else None. ``tile_offset``: the first scale's offset in
+    ``tiles``' elements (default ``L / 4``: fp8_656's).
     """
     n_tokens, latent = kv_c.shape
     if n_tokens == 0:
@@ -492,7 +524,8 @@ def rope_append_launch(
     if tiles is None:
         tiles, stride_tile_b, stride_tile_s, tile_offset = nope_dst, 0, 0, 0
     else:
-        stride_tile_b, stride_tile_s, tile_offset = tiles.stride(0), tiles.stride(1), latent // 4
+        stride_tile_b, stride_tile_s = tiles.stride(0), tiles.stride(1)
+        tile_offset = latent // 4 if tile_offset is None else tile_offset
     _launch_append(
         (-(-n_tokens // config.block_t),), config.num_warps,
         kv_c, k_pe, cos, sin, positions, slot_mapping, nope_dst, rope_dst, tiles, scale_ptr,

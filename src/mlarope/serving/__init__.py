@@ -9,10 +9,15 @@ quantization) per stored element, for the common cache formats:
   per-tensor scale;
 - ``"split"``: FlashInfer's paged pair ``(ckv [pages, page_size, L], kpe [pages, page_size, R])``;
 - ``"fp8_656"``: FlashMLA's 656-byte FP8 record (512 e4m3 values in four 128-wide tiles, four
-  fp32 tile scales, 64 bf16 rope values).
+  fp32 tile scales, 64 bf16 rope values);
+- ``"fp8_584"``: FlashMLA's DeepSeek-V4 cache (per token 448 e4m3 values in seven 64-wide tiles
+  and 64 bf16 rope values in a block's data rows, seven UE8M0 tile scales in its scale rows).
 
 - :func:`rope_append_kv_cache`: rotate ``k_pe`` and write each token into ``slot_mapping[t]``;
 - :func:`rope_decode_query`: ``[T, H, L + R]`` in the input dtype or FP8 e4m3;
+- :func:`rope_inverse_quant_output`: DeepSeek-V4's attention output ``[T, H, D]``, its rope
+  slice inverse-rotated and every head quantized to FP8 e4m3 with a UE8M0 scale per 128
+  channels, for the FP8 grouped output projection;
 - :func:`read_kv_cache`: read entries back, dequantized (tests, debugging, a reference
   attention);
 - :mod:`mlarope.serving.reference`: the same in plain PyTorch.
@@ -24,7 +29,7 @@ ops that declare what they write, and CUDA-graph capturable. See docs/serving.md
 from __future__ import annotations
 
 from . import reference
-from .api import rope_append_kv_cache, rope_decode_query
+from .api import rope_append_kv_cache, rope_decode_query, rope_inverse_quant_output
 from .formats import CACHE_FORMATS
 from .reference import read_kv_cache
 
@@ -34,4 +39,5 @@ __all__ = [
     "reference",
     "rope_append_kv_cache",
     "rope_decode_query",
+    "rope_inverse_quant_output",
 ]

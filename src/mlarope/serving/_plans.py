@@ -6,7 +6,8 @@ and a Python-number scale, change. The first call with new metadata runs the who
 its launch; later calls whose key and guard match fill the new tensors and the scale into the
 recorded argument list and launch, without checks, views or Triton's binder.
 
-- Key: the op, its str / bool arguments, the scale's kind, the first tensor's shape, every
+- Key: the op, its str / bool / int arguments, the scale's kind (``rope_inverse_quant_output``:
+  the scale dtype), which outputs are allocated, the first tensor's shape, every
   tensor's address modulo 16 (Triton specializes on 16-byte alignment, and ``fp8_656`` checks
   it), the current device (on the CPU, ``TRITON_INTERPRET``), grad mode and inference mode.
 - Guard: every tensor's class, dtype, device, dispatch keys, ``requires_grad``, sizes and
@@ -27,10 +28,11 @@ Nothing is planned under ``torch.compile``, with validation on (argument or
 ``MLAROPE_VALIDATE``) or forward-mode AD; those calls take the pipeline.
 
 The entries live in the core's one launch cache (``mlarope._launch_cache.LAUNCH_CACHE.plans``,
-keys starting ``"serving.append"`` / ``"serving.query"``, apart from the core's ``"q"`` /
-``"kv"``), so ``clear_launch_cache()`` forgets them too and the table's bound covers both. The
-replay stays here: unlike the core's plans it passes a Python-number scale, allocates an
-output of another dtype than the input's, and checks written tensors against read ones.
+keys starting ``"serving.append"`` / ``"serving.query"`` / ``"serving.output"``, apart from
+the core's ``"q"`` / ``"kv"``), so ``clear_launch_cache()`` forgets them too and the table's
+bound covers both. The replay stays here: unlike the core's plans it passes a Python-number
+scale, allocates outputs of another dtype than the input's, and checks written tensors against
+read ones.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ _FP32_MAX = 3.4028234663852886e38
 
 class Plan:
     """One recorded launch: ``plan(tensors, scale_value)`` launches it on new tensors.
-    ``alloc``: for an op that returns a new tensor, ``(shape, dtype)`` of it; it is passed at
-    the recorded index after the call's tensors and returned."""
+    ``alloc``: for an op that returns new tensors, ``((shape, dtype), ...)`` of them; they are
+    passed at their recorded indices after the call's tensors and returned (one tensor, or a
+    tuple of several)."""
 
     __slots__ = (
         "alloc", "apart", "launch", "scalar_index", "slots", "template", "through", "views",
@@ -75,9 +78,9 @@ class Plan:
             return MISSING
         out = None
         if self.alloc is not None:
-            shape, dtype = self.alloc
-            out = tensors[0].new_empty(shape, dtype=dtype)
-            tensors = (*tensors, out)
+            new = tuple(tensors[0].new_empty(shape, dtype=dtype) for shape, dtype in self.alloc)
+            tensors = (*tensors, *new)
+            out = new[0] if len(new) == 1 else new
         args = self.template.copy()
         launch = self.launch
         kernel = launch.kernel
@@ -226,6 +229,32 @@ def query_signature(
     return key, tensors, value, addresses
 
 
+def output_signature(
+    o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved, interleaved_out,
+    validate,
+):  # fmt: skip
+    """``(key, tensors, None, addresses)`` of a ``rope_inverse_quant_output`` call, or None.
+    ``tensors``: ``o, cos, sin, positions``, then ``out`` and ``scale_out`` where given."""
+    if not _plain(validate, interleaved, interleaved_out) or groups.__class__ is not int:
+        return None
+    if scale_dtype is not None and scale_dtype.__class__ is not torch.dtype:
+        return None
+    tensors = (o, cos, sin, positions)
+    if out is not None:
+        tensors = (*tensors, out)
+    if scale_out is not None:
+        tensors = (*tensors, scale_out)
+    addresses = _addresses(tensors)
+    if addresses is None:
+        return None
+    key = (
+        "serving.output", groups, interleaved, interleaved_out, scale_dtype, out is None,
+        scale_out is None, len(tensors), o.shape, _alignment(addresses), _device_key(o),
+        torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+    )  # fmt: skip
+    return key, tensors, None, addresses
+
+
 def find(signature):
     """The plan of a call with this signature: a Plan; None where the call cannot have one or
     was recorded without one; MISSING where it is to be recorded."""
@@ -240,7 +269,8 @@ def find(signature):
 
 def record(signature, launches: list, written: tuple[int, ...], out=None) -> None:
     """Store the plan of a call from its pipeline's launches (``written``: the indices of the
-    tensors it writes; ``out``: the tensor it returned, for an out-of-place call)."""
+    tensors it writes; ``out``: the tensor it returned, or the tuple of tensors it allocated,
+    for an out-of-place call)."""
     key, tensors, value = signature[0], signature[1], signature[2]
     entries = LAUNCH_CACHE.plan_entries(key)
     if len(entries) >= _MAX_PER_KEY:
@@ -252,7 +282,8 @@ def _plan_from(tensors, value, launches, written, out) -> Plan | None:
     if len(launches) != 1:
         return None
     launch, args = launches[0]
-    everything = tensors if out is None else (*tensors, out)
+    outs = () if out is None else out if isinstance(out, tuple) else (out,)
+    everything = (*tensors, *outs)
     template, slots, views, scalar_index = [], [], [], None
     for index, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
@@ -271,10 +302,11 @@ def _plan_from(tensors, value, launches, written, out) -> Plan | None:
     if value is not None and scalar_index is None:
         return None
     alloc = None
-    if out is not None:
-        if out.stride() != tuple(torch.empty(out.shape, device="meta").stride()):
-            return None
-        alloc = (tuple(out.shape), out.dtype)
+    if outs:
+        for t in outs:
+            if t.stride() != tuple(torch.empty(t.shape, device="meta").stride()):
+                return None
+        alloc = tuple((tuple(t.shape), t.dtype) for t in outs)
     spans = [byte_span(t) for t in everything]
     starts = [t.data_ptr() for t in everything]
     # Each written tensor against every other tensor of the call (a new output excepted), with

@@ -8,7 +8,7 @@ import torch
 
 # Core import point (validation switch, shared with the core ops).
 from .._checks import validation_requested
-from . import _plans, formats, ops
+from . import _plans, formats, ops, output
 
 
 def rope_append_kv_cache(
@@ -43,9 +43,13 @@ def rope_append_kv_cache(
             dtype or FP8 e4m3 (``float8_e4m3fn``, or ``uint8`` codes); ``"split"``: a pair
             ``(ckv [num_pages, page_size, L], kpe [num_pages, page_size, R])`` as above;
             ``"fp8_656"``: FlashMLA's records, ``[num_blocks, block_size, 656]`` or
-            ``[num_blocks, block_size, 1, 656]`` bytes (``L = 512``, ``R = 64``).
+            ``[num_blocks, block_size, 1, 656]`` bytes (``L = 512``, ``R = 64``);
+            ``"fp8_584"``: DeepSeek-V4's cache as FlashMLA allocates it, ``[num_blocks,
+            block_size, 1, 584]`` (or 3-D) bytes, blocks a multiple of 576 bytes apart
+            (``L = 448``, ``R = 64``).
         slot_mapping: ``[T]`` int32/int64 slots.
-        cache_format: ``"concat"``, ``"split"`` or ``"fp8_656"`` (docs/serving.md).
+        cache_format: ``"concat"``, ``"split"``, ``"fp8_656"`` or ``"fp8_584"``
+            (docs/serving.md).
         kv_scale: the per-tensor DEQUANT scale of an FP8 ``concat`` / ``split`` cache
             (``stored = e4m3(x / kv_scale)``, ``x = stored * kv_scale``; FlashInfer's
             ``quant_scale_kv`` is its reciprocal): a float, or a 1-element fp32 tensor on the
@@ -59,8 +63,9 @@ def rope_append_kv_cache(
             a tensor scale), raising ``ValueError``; costs a sync. Also ``MLAROPE_VALIDATE=1``.
 
     fp32 math with the exact tables, one rounding or quantization per stored element; FP8
-    saturates to +-448. ``fp8_656`` computes each token's four tile scales (FlashMLA's
-    power-of-two rule) and stores the rope part in bf16. Not differentiable.
+    saturates to +-448. ``fp8_656`` and ``fp8_584`` compute each token's tile scales (FlashMLA's
+    power-of-two rule: four fp32 scales of 128 channels, or seven UE8M0 bytes of 64) and store
+    the rope part in bf16. Not differentiable.
     """
     signature = _plans.append_signature(
         kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale,
@@ -157,6 +162,98 @@ def rope_decode_query(
         else:
             _plans.record(signature, launches, (len(signature[1]) - 1,))
     return result
+
+
+def rope_inverse_quant_output(
+    o: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    groups: int = 1,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    scale_dtype: torch.dtype | None = None,
+    interleaved: bool = True,
+    interleaved_out: bool = True,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's attention output for its FP8 grouped output projection, in one launch:
+    inverse RoPE on the trailing rope slice of each head, then FP8 e4m3 with one power-of-two
+    (UE8M0) scale per 128 contiguous channels.
+
+    Args:
+        o: ``[T, H, D]`` attention output, heads ``[nope | rope]`` (DeepSeek-V4: ``D = 512``,
+            rope the last ``R = 64``), bf16, fp16 or fp32; last dim contiguous, any token and
+            head strides. ``D`` a multiple of 128.
+        cos, sin: ``[P, R]`` tables of the positions' rope set, fp32 preferred.
+        positions: ``[T]`` int32/int64, each token's (query) position. A position outside
+            ``[0, P)`` gives NaN rope values (e4m3 code ``0x7F``); ``validate=True`` raises.
+        groups: ``G``, the output projection's head groups (DeepSeek-V4's ``o_groups`` on this
+            rank; each holds ``H / G`` consecutive heads).
+        out: ``[T, G, (H / G) * D]`` e4m3 codes (``torch.float8_e4m3fn`` or ``uint8``), last dim
+            contiguous, any token and group strides (vLLM's group-major ``[G, T, ..]`` buffer
+            transposed, say); None: a new contiguous one.
+        scale_out: the dequant scales, ``[T, G, (H / G) * D / 128]`` of fp32 or UE8M0 bytes
+            (``torch.float8_e8m0fnu`` or ``uint8``: the biased exponent), or ``[T, G, (H / G) *
+            D / 512]`` int32 (four UE8M0 bytes each, block ``k`` in byte ``k % 4``: DeepGEMM's
+            packed scales), any strides (MN-major and padded included); None: a new contiguous
+            one of ``scale_dtype``.
+        scale_dtype: the scales' dtype when ``scale_out`` is None (default fp32); taken from
+            ``scale_out`` when given.
+        interleaved, interleaved_out: the rope pairs' layout in ``o`` and in ``out``
+            (DeepSeek-V4: interleaved in and out, the defaults).
+        validate: check the positions on the device (a sync). Also ``MLAROPE_VALIDATE=1``.
+
+    Returns:
+        ``(out, scale_out)``: the given tensors themselves when given. fp32 math (the inverse
+        rotation's products and sums each rounded to fp32, as PyTorch's, never fused: the same
+        bytes on every backend), one quantization per element: ``code = e4m3(x / s)``
+        saturating, ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))`` over the 128-channel block
+        (NaN not counted), DeepSeek's ``act_quant`` rule with ``scale_fmt="ue8m0"``. No device
+        sync; given ``out`` and ``scale_out`` nothing is allocated (CUDA graphs). Not
+        differentiable: without quantization, ``mlarope.apply_rope_q(o, cos, sin, layout="thd",
+        position_ids=positions, interleaved=True, interleaved_out=True, inverse=True)`` is the
+        same rotation with a backward (docs/serving.md).
+    """
+    signature = _plans.output_signature(
+        o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
+        interleaved_out, validate,
+    )  # fmt: skip
+    plan = _plans.find(signature)
+    if plan.__class__ is _plans.Plan:  # a repeated eager call
+        result = plan(signature[1], signature[2], signature[3])
+        if result is not _plans.MISSING:
+            new = iter(() if result is None else result if isinstance(result, tuple) else (result,))
+            return (
+                out if out is not None else next(new),
+                scale_out if scale_out is not None else next(new),
+            )
+        plan = None
+    call = output.check_output_call(
+        o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
+        interleaved_out,
+    )  # fmt: skip
+    if validation_requested(validate):
+        output.validate_output_on_device(call)
+    new_out = call.out
+    if new_out is None:
+        new_out = call.o.new_empty((o.shape[0], groups, call.width), dtype=torch.float8_e4m3fn)
+    new_scale = call.scale_out
+    if new_scale is None:
+        new_scale = call.o.new_empty(call.scale_shape(), dtype=call.scale_dtype)
+    if torch.compiler.is_compiling():
+        ops.rope_inverse_quant_output_op(*call.op_args(new_out, new_scale))
+        return new_out, new_scale
+    with _recording(signature if plan is _plans.MISSING else None, call.o) as launches:
+        ops.rope_inverse_quant_output_impl(*call.op_args(new_out, new_scale))
+    if launches is not None:
+        n = len(signature[1])
+        written = tuple(range(4, n))  # out and scale_out where given
+        allocated = tuple(t for t, given in ((new_out, call.out), (new_scale, call.scale_out))
+                          if given is None)  # fmt: skip
+        _plans.record(signature, launches, written, out=allocated or None)
+    return new_out, new_scale
 
 
 def _recording(signature, first: torch.Tensor):

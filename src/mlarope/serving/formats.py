@@ -11,6 +11,10 @@ Formats (``cache_format``; docs/serving.md has the byte maps and the owners' sou
 - ``"fp8_656"`` (FlashMLA's FP8 record, vLLM's ``fp8_ds_mla``): ``[num_blocks, block_size,
   656]`` or ``[num_blocks, block_size, 1, 656]`` bytes (``uint8``, ``int8`` or
   ``float8_e4m3fn``); ``L = 512``, ``R = 64``; entries 656 bytes apart; 16-byte aligned.
+- ``"fp8_584"`` (FlashMLA's DeepSeek-V4 cache, ``MODEL1_FP8Sparse``): ``[num_blocks,
+  block_size, 584]`` or ``[num_blocks, block_size, 1, 584]`` bytes as FlashMLA allocates them
+  (584 bytes a token apart, blocks a multiple of 576 bytes apart); ``L = 448``, ``R = 64``; a
+  block is ``block_size`` data rows of 576 bytes, then ``block_size`` scale rows of 8.
 
 The checks read no device data (no sync). What needs device data (slots in the cache and
 distinct, positions in the table, a tensor scale's value) is checked by ``validate_*`` when
@@ -34,9 +38,17 @@ from .._checks import (
     check_tensor,
 )
 from .._memory import refuse_shared, refuse_written_overlap
-from .reference import FP8_656_BYTES, FP8_656_LATENT, FP8_656_ROPE
+from .reference import (
+    FP8_584_BLOCK_ALIGN,
+    FP8_584_BYTES,
+    FP8_584_LATENT,
+    FP8_584_ROPE,
+    FP8_656_BYTES,
+    FP8_656_LATENT,
+    FP8_656_ROPE,
+)
 
-CACHE_FORMATS = ("concat", "split", "fp8_656")
+CACHE_FORMATS = ("concat", "split", "fp8_656", "fp8_584")
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # uint8: e4m3 codes (vLLM's FP8 cache tensor)
 RECORD_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
@@ -286,6 +298,9 @@ def check_append_call(
     if cache_format == "fp8_656":
         cache = _check_fp8_656(cache, latent, rope_dim, kv_c.device)
         fp8, why_not = False, "for cache_format='fp8_656' (its per-tile scales are computed)"
+    elif cache_format == "fp8_584":
+        cache = _check_fp8_584(cache, latent, rope_dim, kv_c.device)
+        fp8, why_not = False, "for cache_format='fp8_584' (its per-tile scales are computed)"
     elif cache_format == "concat":
         cache = _check_cache_tensor("cache", cache, kv_c.device)
         if cache.dim() != 3 or cache.shape[2] != latent + rope_dim:
@@ -373,11 +388,69 @@ def _check_fp8_656(cache: object, latent: int, rope_dim: int, device) -> torch.T
     return cache
 
 
+def _fp8_584_layout(name: str, cache: torch.Tensor) -> None:
+    """The shape, dtype and strides of a DeepSeek-V4 FP8 cache as FlashMLA allocates it
+    (``tests/quant.py``, ``quantize_k_cache`` for ``MODEL1_FP8Sparse``): ``[num_blocks,
+    block_size, 1, 584]`` (or 3-D) bytes, 584 bytes a token apart (FlashMLA checks
+    ``stride(1) == 584``: it reads a block as one array), blocks a multiple of 576 bytes apart
+    (its allocation pads them so; its SM100 kernels require it) and at least ``block_size *
+    584`` bytes."""
+    if cache.dtype not in RECORD_DTYPES:
+        raise TypeError(
+            f"an fp8_584 cache holds bytes (uint8, int8 or float8_e4m3fn), got dtype {cache.dtype}"
+        )
+    four_d = cache.dim() == 4 and cache.shape[2] == 1
+    if not (cache.dim() == 3 or four_d) or cache.shape[-1] != FP8_584_BYTES:
+        raise ValueError(
+            f"an fp8_584 cache must be [num_blocks, block_size, 584] or [num_blocks, block_size, "
+            f"1, 584], got shape {tuple(cache.shape)}"
+        )
+    check_last_dim_contiguous(name, cache)
+    n_blocks, block_size = cache.shape[0], cache.shape[1]
+    if block_size > 1 and cache.stride(1) != FP8_584_BYTES:
+        raise ValueError(
+            f"the entries of an fp8_584 cache must be 584 bytes apart within a block (a block is "
+            f"block_size data rows of 576 bytes, then block_size scale rows of 8: FlashMLA reads "
+            f"it as one array), got strides {tuple(cache.stride())}"
+        )
+    block_stride = cache.stride(0)
+    if n_blocks > 1 and (
+        block_stride % FP8_584_BLOCK_ALIGN != 0 or block_stride < block_size * FP8_584_BYTES
+    ):
+        raise ValueError(
+            f"the blocks of an fp8_584 cache must be a multiple of 576 bytes apart, and at least "
+            f"block_size * 584 = {block_size * FP8_584_BYTES} (FlashMLA pads each block to a "
+            f"multiple of 576 bytes: allocate [num_blocks, ceil(block_size * 584 / 576) * 576] "
+            f"bytes and view [:, :block_size * 584]), got strides {tuple(cache.stride())}"
+        )
+
+
+def _check_fp8_584(cache: object, latent: int, rope_dim: int, device) -> torch.Tensor:
+    if latent != FP8_584_LATENT or rope_dim != FP8_584_ROPE:
+        raise ValueError(
+            f"cache_format='fp8_584' holds L = {FP8_584_LATENT} latent and R = {FP8_584_ROPE} "
+            f"rope values a token (DeepSeek-V4's head: [nope 448 | rope 64]), got L = "
+            f"kv_c.shape[1] = {latent}, R = cos.shape[-1] = {rope_dim}"
+        )
+    cache = check_tensor("cache", cache)
+    if cache.device != device:
+        raise ValueError(f"cache must be on the inputs' device {device}, got {cache.device}")
+    _fp8_584_layout("cache", cache)
+    offset = 0 if torch.compiler.is_compiling() else cache.data_ptr() % 16
+    if offset:
+        raise ValueError(
+            f"an fp8_584 cache must be 16-byte aligned (its rows sit on 16-byte boundaries: "
+            f"FlashMLA loads them 16 bytes at a time), got data_ptr % 16 = {offset}"
+        )
+    _check_written("cache", cache)
+    return cache
+
+
 def validate_append_on_device(call: AppendCall) -> None:
     """The checks that read device data (one sync): slots in the cache and distinct, the
     positions of written tokens in the table, a tensor scale's value."""
     cache = call.cache
-    if call.cache_format == "fp8_656" and cache.dim() == 4:
+    if call.cache_format in ("fp8_656", "fp8_584") and cache.dim() == 4:
         cache = cache.squeeze(2)
     n_blocks, block_size = cache.shape[0], cache.shape[1]
     capacity = n_blocks * block_size
@@ -571,6 +644,14 @@ def check_read_call(
                 f"width L + R = {cache.shape[2]}, got {rope_dim}"
             )
         tensors, rope, fp8 = (cache,), rope_dim, cache.dtype in FP8_DTYPES
+    elif cache_format == "fp8_584":
+        cache = _one_cache_tensor(cache, "[num_blocks, block_size, 584]", "'split'")
+        _fp8_584_layout("cache", cache)
+        if rope_dim is not None and rope_dim != FP8_584_ROPE:
+            raise ValueError(
+                f"an fp8_584 cache holds R = {FP8_584_ROPE} rope values, got rope_dim = {rope_dim}"
+            )
+        tensors, rope, fp8 = (cache,), FP8_584_ROPE, False
     else:
         cache = _one_cache_tensor(cache, "[num_blocks, block_size, 656]", "'split'")
         if cache.dtype not in RECORD_DTYPES:
@@ -592,8 +673,8 @@ def check_read_call(
     first = tensors[0]
     if fp8:
         why_not = f"for an FP8 {cache_format} cache"
-    elif cache_format == "fp8_656":
-        why_not = "for cache_format='fp8_656' (its tile scales are in the records)"
+    elif cache_format in ("fp8_656", "fp8_584"):
+        why_not = f"for cache_format='{cache_format}' (its tile scales are in the cache)"
     else:
         why_not = f"for a {first.dtype} cache (only FP8 caches are scaled)"
     scale, value = _check_scale("kv_scale", kv_scale, fp8, why_not, first.device)

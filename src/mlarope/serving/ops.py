@@ -71,6 +71,28 @@ def append_with_kernel(
             interleaved_out=interleaved_out, config=config,
         )  # fmt: skip
         return
+    if cache_format == "fp8_584":
+        # Three views at the cache's address (a plan maps each back to the cache): the data rows
+        # (codes), the same memory as int16 (the bf16 rope values, after 448 bytes) and the
+        # scale rows, which start 576 * block_size bytes into the block (TILE_OFFSET).
+        codes = reference.fp8_584_bytes(cache)
+        n_blocks, block_size = codes.shape[:2]
+        stride = codes.stride(0)
+        data = codes.as_strided((n_blocks, block_size, reference.FP8_584_DATA_ROW),
+                                (stride, reference.FP8_584_DATA_ROW, 1))  # fmt: skip
+        rope = codes.view(torch.int16).as_strided(
+            (n_blocks, block_size, reference.FP8_584_DATA_ROW // 2),
+            (stride // 2, reference.FP8_584_DATA_ROW // 2, 1),
+        )
+        tiles = codes.as_strided((n_blocks, block_size, reference.FP8_584_SCALE_ROW),
+                                 (stride, reference.FP8_584_SCALE_ROW, 1))  # fmt: skip
+        kernels.rope_append_launch(
+            kv_c, k_pe, cos, sin, positions, slot_mapping, data, rope, tiles,
+            rope_offset=reference.FP8_584_ROPE_AT // 2, nope_mode=6, rope_mode=5, scale=None,
+            scale_value=1.0, interleaved_in=interleaved, interleaved_out=interleaved_out,
+            config=config, tile_offset=block_size * reference.FP8_584_DATA_ROW,
+        )  # fmt: skip
+        return
     fp8 = cache.dtype in (torch.float8_e4m3fn, torch.uint8)
     nope_dst = kernels.bits(cache)
     rope_dst = nope_dst if kpe_cache is None else kernels.bits(kpe_cache)
@@ -125,6 +147,53 @@ def query_with_kernel(
         nope_mode=1 if fp8 else 0, rope_mode=kernels.rope_mode(out.dtype), scale=scale,
         scale_value=scale_value, interleaved_in=interleaved, interleaved_out=interleaved_out,
         config=config,
+    )  # fmt: skip
+
+
+def rope_inverse_quant_output_impl(
+    o: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, out: Tensor, scale_out: Tensor,
+    groups: int, interleaved: bool, interleaved_out: bool,
+) -> None:  # fmt: skip
+    """Write DeepSeek-V4's attention output ``o: [T, H, D]``, inverse-rotated and quantized,
+    into ``out`` (e4m3 codes ``[T, G, (H / G) * D]``) and ``scale_out`` (its UE8M0 scales, in
+    ``scale_out``'s dtype: ``output.OutputCall``). Neither may overlap an input or the other:
+    checked here too (compiled graphs, as above)."""
+    refuse_shared(
+        (("out", out), ("scale_out", scale_out)),
+        (("o", o), ("cos", cos), ("sin", sin), ("positions", positions)),
+    )
+    if not use_triton(o):
+        codes, scales = reference.inverse_quant_output(
+            o, cos, sin, positions, groups=groups, scale_dtype=scale_out.dtype,
+            interleaved_in=interleaved, interleaved_out=interleaved_out,
+        )  # fmt: skip
+        with torch.no_grad():
+            out.view(torch.uint8).copy_(codes)
+            scale_out.copy_(scales)
+        return
+    output_with_kernel(o, cos, sin, positions, out, scale_out, groups, interleaved, interleaved_out)
+
+
+def output_with_kernel(
+    o: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, out: Tensor, scale_out: Tensor,
+    groups: int, interleaved: bool, interleaved_out: bool, config=None,
+) -> None:  # fmt: skip
+    """The Triton backend of :func:`rope_inverse_quant_output_impl` (``config``: a
+    ``kernels.output_quant.OutputConfig``, for the benchmark's sweep)."""
+    from ..kernels import output_quant as kernels
+
+    cos, sin = _same_table_strides(cos, sin)
+    fp32 = scale_out.dtype == torch.float32
+    packed = scale_out.dtype == torch.int32
+    if fp32:
+        scale_bits = scale_out.view(torch.int32)
+    else:
+        scale_bits = scale_out if packed else scale_out.view(torch.uint8)
+    kernels.rope_inverse_quant_launch(
+        o, cos, sin, positions, out.view(torch.uint8), scale_bits,
+        heads_per_group=o.shape[1] // groups, pack=4 if packed else 1,
+        scale_fmt=kernels.SCALE_FP32 if fp32 else kernels.SCALE_E8M0, interleaved_in=interleaved,
+        interleaved_out=interleaved_out, config=config,
     )  # fmt: skip
 
 
@@ -187,6 +256,15 @@ rope_decode_query_op = torch.library.custom_op(
 rope_decode_query_out_op = torch.library.custom_op(
     "mlarope::rope_decode_query_out", rope_decode_query_out_impl, mutates_args=("out",)
 )
+rope_inverse_quant_output_op = torch.library.custom_op(
+    "mlarope::rope_inverse_quant_output", rope_inverse_quant_output_impl,
+    mutates_args=("out", "scale_out"),
+)  # fmt: skip
+
+
+@rope_inverse_quant_output_op.register_fake
+def _output_fake(*args) -> None:
+    return None
 
 
 @rope_append_kv_cache_op.register_fake

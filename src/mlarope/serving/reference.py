@@ -12,10 +12,17 @@ written. Math runs in fp32 and each stored element is rounded (or quantized) onc
 - ``fp8_656``: the latent in four 128-channel tiles, each with FlashMLA's power-of-two scale
   ``s_j = 2 ** ceil(log2(max(amax_j / 448, 1e-4)))`` and ``code = e4m3(x / s_j)``; the rotated
   rope values in bf16.
+- ``fp8_584`` (DeepSeek-V4): the 448-channel latent in seven 64-channel tiles with the same rule,
+  the scales stored as UE8M0 exponent bytes in a block's scale rows; the rope values in bf16.
 
 ``e4m3`` rounds to nearest even and saturates to +-448 (infinities too); NaN gives a NaN code.
 The encoder below does it with integer operations, the same as the kernels, and equals
 ``torch``'s ``x.clamp(-448, 448).to(torch.float8_e4m3fn)`` on every non-NaN value.
+
+:func:`inverse_quant_output` (and :func:`rope_inverse_quant_output`, the public call's form) is
+DeepSeek-V4's attention output for its FP8 grouped output projection: the trailing rope slice
+of ``o: [T, H, D]`` rotated by the inverse angle in fp32, then the whole head quantized to e4m3
+with one UE8M0 scale per 128 channels, ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,18 @@ FP8_656_TILE = 128
 FP8_656_SCALES_AT = 512  # byte offsets within a record
 FP8_656_ROPE_AT = 528
 MIN_TILE_SCALE = 2.0**-13  # FlashMLA's floor 1e-4, rounded up to a power of two
+# FlashMLA's MODEL1_FP8Sparse (DeepSeek-V4) cache: a block holds ``block_size`` data rows of 576
+# bytes (448 e4m3 codes, then 64 bf16 rope values), then ``block_size`` scale rows of 8 bytes
+# (7 UE8M0 exponents, one pad byte); blocks are padded to a multiple of 576 bytes.
+FP8_584_BYTES = 584  # per token: a 576-byte data row and an 8-byte scale row
+FP8_584_LATENT = 448
+FP8_584_ROPE = 64
+FP8_584_TILE = 64
+FP8_584_TILES = 7
+FP8_584_DATA_ROW = 576
+FP8_584_ROPE_AT = 448  # byte offset of the rope values within a data row
+FP8_584_SCALE_ROW = 8
+FP8_584_BLOCK_ALIGN = 576  # a block's stride is a multiple of this
 
 
 # ------------------------------------------------------------------------------ number formats
@@ -65,19 +84,47 @@ def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pow2_tile_scales(x: torch.Tensor) -> torch.Tensor:
-    """FlashMLA's dequant scale per tile, exactly: ``x: [..., tiles, 128]`` -> ``[..., tiles]``
-    fp32 powers of two ``2 ** ceil(log2(max(amax / 448, 1e-4)))``. NaN does not count towards
-    ``amax``. Computed from the bits of ``amax``: for ``amax = m * 2**e`` (``1 <= m < 2``) the
-    scale is ``2**(e - 8)`` if ``m <= 1.75``, else ``2**(e - 7)``, at least ``2**-13`` (the fp32
-    quotient ``amax / 448`` rounds across no power of two, so this is the ceiling of the
-    rounded quotient; FlashMLA's ``log2`` in fp32 misses by a factor of two a few ulp above a
-    power of two)."""
+    """FlashMLA's dequant scale per tile, exactly: ``x: [..., tiles, width]`` (``fp8_656``: 128,
+    ``fp8_584``: 64) -> ``[..., tiles]`` fp32 powers of two ``2 ** ceil(log2(max(amax / 448,
+    1e-4)))``. NaN does not count towards ``amax``. Computed from the bits of ``amax``: for
+    ``amax = m * 2**e`` (``1 <= m < 2``) the scale is ``2**(e - 8)`` if ``m <= 1.75``, else
+    ``2**(e - 7)``, at least ``2**-13`` (the fp32 quotient ``amax / 448`` rounds across no
+    power of two, so this is the ceiling of the rounded quotient; FlashMLA's ``log2`` in fp32
+    misses by a factor of two a few ulp above a power of two)."""
     x = x.to(torch.float32)
     amax = torch.where(x.isnan(), 0.0, x.abs()).amax(-1)
     bits = amax.contiguous().view(torch.int32)
     exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
     exponent = exponent.clamp(min=114)
     return (exponent << 23).view(torch.float32)
+
+
+def e8m0_encode(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 powers of two (normal numbers) -> their UE8M0 bytes (``uint8``): the biased exponent,
+    ``2 ** (byte - 127)``, what ``.to(torch.float8_e8m0fnu)`` stores for them."""
+    return ((scales.to(torch.float32).contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes (``uint8`` or ``float8_e8m0fnu``) -> fp32 ``2 ** (byte - 127)``; 0xFF is NaN."""
+    b = codes.view(torch.uint8).to(torch.int32)
+    value = torch.ldexp(torch.ones_like(b, dtype=torch.float32), b - 127)
+    return torch.where(b == 255, float("nan"), value)
+
+
+def ue8m0_block_exponents(x: torch.Tensor) -> torch.Tensor:
+    """The biased exponents (int32 ``[..., blocks]``) of DeepSeek's UE8M0 activation scales of
+    ``x: [..., blocks, 128]``, exactly: ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))``
+    (``act_quant`` with ``scale_fmt="ue8m0"`` in DeepSeek-V4's inference kernels: ``amax``
+    floored at ``1e-4``, times the fp32 ``1 / 448``, rounded up to a power of two by its bits),
+    ``amax`` the largest magnitude of the block, NaN not counted. From the bits of ``amax`` as
+    :func:`pow2_tile_scales` (``m <= 1.75``: ``2**(e - 8)``, else ``2**(e - 7)``), at least
+    ``2**-22`` (105), the scale of ``amax = 1e-4``; an infinite ``amax`` gives ``2**120``."""
+    x = x.to(torch.float32)
+    amax = torch.where(x.isnan(), 0.0, x.abs()).amax(-1)
+    bits = amax.contiguous().view(torch.int32)
+    exponent = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return exponent.clamp(min=105)
 
 
 def e4m3_step(value: torch.Tensor) -> torch.Tensor:
@@ -108,9 +155,11 @@ def rotate_rope(
     *,
     interleaved_in: bool,
     interleaved_out: bool,
+    inverse: bool = False,
 ) -> torch.Tensor:
-    """``x: [T, R]`` or ``[T, H, R]`` rotated at ``positions: [T]`` in fp32 -> fp32, same shape;
-    a position outside ``[0, P)`` gives NaN (``cos, sin: [P, R]``)."""
+    """``x: [T, R]`` or ``[T, H, R]`` rotated at ``positions: [T]`` in fp32 -> fp32, same shape
+    (``inverse``: by the negated angle); a position outside ``[0, P)`` gives NaN (``cos, sin:
+    [P, R]``). Each product and sum is rounded to fp32 (PyTorch's own arithmetic)."""
     pos = positions.to(torch.int64)
     rows = cos.shape[0]
     in_range = (pos >= 0) & (pos < rows)
@@ -121,7 +170,7 @@ def rotate_rope(
     rotated = rotate_pairs(
         (x if heads else x.unsqueeze(1)).to(torch.float32), c, s,
         torch.zeros_like(in_range), in_range,
-        interleaved_in=interleaved_in, interleaved_out=interleaved_out, inverse=False,
+        interleaved_in=interleaved_in, interleaved_out=interleaved_out, inverse=inverse,
         transpose=False,
     )  # fmt: skip
     return rotated if heads else rotated.squeeze(1)
@@ -162,6 +211,36 @@ def fp8_656_records(cache: torch.Tensor) -> torch.Tensor:
     return _as_codes(cache)
 
 
+def fp8_584_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A DeepSeek-V4 FP8 cache (``[num_blocks, block_size, 584]`` or ``[..., 1, 584]``, blocks
+    a multiple of 576 bytes apart) as ``uint8`` ``[num_blocks, block_size, 584]`` (a view; a
+    single block's stride is set to ``block_size * 584``, which no address depends on, so that
+    an integer view of it can be made)."""
+    if cache.dim() == 4:
+        cache = cache.squeeze(2)
+    codes = _as_codes(cache)
+    if codes.shape[0] == 1:
+        codes = codes.as_strided(codes.shape, (codes.shape[1] * FP8_584_BYTES, *codes.stride()[1:]))
+    return codes
+
+
+def fp8_584_rows(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data [num_blocks, block_size, 576], scales [num_blocks, block_size, 8])``: ``uint8``
+    views of a DeepSeek-V4 FP8 cache's data rows (entry ``e`` at byte ``576 e`` of its block)
+    and scale rows (at byte ``576 block_size + 8 e``)."""
+    codes = fp8_584_bytes(cache)
+    n_blocks, block_size = codes.shape[:2]
+    stride, offset = codes.stride(0), codes.storage_offset()
+    data = codes.as_strided(
+        (n_blocks, block_size, FP8_584_DATA_ROW), (stride, FP8_584_DATA_ROW, 1), offset
+    )
+    scales = codes.as_strided(
+        (n_blocks, block_size, FP8_584_SCALE_ROW), (stride, FP8_584_SCALE_ROW, 1),
+        offset + block_size * FP8_584_DATA_ROW,
+    )  # fmt: skip
+    return data, scales
+
+
 @torch.no_grad()
 def append_kv_cache(
     kv_c: torch.Tensor,
@@ -181,8 +260,10 @@ def append_kv_cache(
     """Write each token's entry into its slot (checked inputs; ``k_pe: [T, R]``).
 
     ``cache``: ``concat`` ``[num_blocks, block_size, L + R]``, ``split`` ``ckv [num_pages,
-    page_size, L]`` with ``kpe_cache [num_pages, page_size, R]``, or ``fp8_656`` records. Two
-    tokens with one slot: the later token's entry is written (the kernels leave it undefined).
+    page_size, L]`` with ``kpe_cache [num_pages, page_size, R]``, ``fp8_656`` records, or an
+    ``fp8_584`` cache (each token's data row and the first 7 bytes of its scale row; the pad byte
+    and a block's padding are left alone). Two tokens with one slot: the later token's entry is
+    written (the kernels leave it undefined).
     """
     rope = rotate_rope(
         k_pe, cos, sin, positions, interleaved_in=interleaved_in, interleaved_out=interleaved_out
@@ -199,6 +280,16 @@ def append_kv_cache(
             dim=1,
         )
         _write(records, blocks, entries, record)
+        return
+    if cache_format == "fp8_584":
+        data, scale_rows = fp8_584_rows(cache)
+        tokens, blocks, entries = _slots(slot_mapping, data.shape[1], data.shape[0])
+        x = kv_c[tokens].to(torch.float32).reshape(-1, FP8_584_TILES, FP8_584_TILE)
+        scales = pow2_tile_scales(x)
+        codes = e4m3_encode(x * (1.0 / scales).unsqueeze(-1)).reshape(-1, latent)
+        row = torch.cat((codes, rope[tokens].to(torch.bfloat16).view(torch.uint8)), dim=1)
+        _write(data, blocks, entries, row)
+        _write(scale_rows, blocks, entries, e8m0_encode(scales))
         return
     dtype = cache.dtype
     if cache_format == "concat":
@@ -245,9 +336,9 @@ def read_kv_cache(
     ``cache`` as :func:`mlarope.serving.rope_append_kv_cache` takes it (a ``(ckv, kpe)`` pair for
     ``split``); ``rope_dim``: ``R``, required for ``concat`` (one of 32, 64, 128), checked
     against the cache for the others; ``kv_scale``: the dequant scale of an FP8 ``concat`` or
-    ``split`` cache (a float or a 1-element fp32 tensor), None otherwise. ``fp8_656`` latents
-    are ``code * s_j`` in fp32 (exact: ``s_j`` is a power of two), as FlashMLA's kernels
-    dequantize them.
+    ``split`` cache (a float or a 1-element fp32 tensor), None otherwise. ``fp8_656`` and
+    ``fp8_584`` latents are ``code * s_j`` in fp32 (exact: ``s_j`` is a power of two), as
+    FlashMLA's kernels dequantize them.
 
     Every slot must name an entry, ``[0, num_blocks * block_size)``: the slot values are read
     (a sync) and one outside, or -1 (the writers' padding marker, which names no entry),
@@ -269,6 +360,14 @@ def read_kv_cache(
         scales = rec[:, FP8_656_SCALES_AT:FP8_656_ROPE_AT].contiguous().view(torch.float32)
         latent = (e4m3_decode(codes) * scales.unsqueeze(-1)).reshape(-1, FP8_656_LATENT)
         rope = rec[:, FP8_656_ROPE_AT:].contiguous().view(torch.bfloat16).to(torch.float32)
+        return latent, rope
+    if cache_format == "fp8_584":
+        data, scale_rows = fp8_584_rows(tensors[0])
+        rows, scales = _gather(data, slots), _gather(scale_rows, slots)[:, :FP8_584_TILES]
+        codes = rows[:, :FP8_584_ROPE_AT].reshape(-1, FP8_584_TILES, FP8_584_TILE)
+        latent = e4m3_decode(codes) * e8m0_decode(scales).unsqueeze(-1)
+        latent = latent.reshape(-1, FP8_584_LATENT)
+        rope = rows[:, FP8_584_ROPE_AT:].contiguous().view(torch.bfloat16).to(torch.float32)
         return latent, rope
     if cache_format == "split":
         parts = [_gather(tensors[0], slots), _gather(tensors[1], slots)]
@@ -379,3 +478,104 @@ def rope_decode_query(
     with torch.no_grad():
         call.out.copy_(result)
     return call.out
+
+
+# ------------------------------------------------------------------------- the attention output
+OUTPUT_BLOCK = 128  # channels per UE8M0 scale (DeepSeek's FP8 activation block)
+# fp32 scales; UE8M0 bytes (float8_e8m0fnu where this torch has it, or uint8); four UE8M0
+# bytes to an int32 element.
+OUTPUT_SCALE_DTYPES = tuple(
+    d
+    for d in (torch.float32, getattr(torch, "float8_e8m0fnu", None), torch.uint8, torch.int32)
+    if d is not None
+)
+
+
+def output_scale_shape(n_tokens: int, groups: int, width: int, dtype: torch.dtype) -> tuple:
+    """``scale_out``'s shape for ``[T, G, width]`` codes: one scale per 128 channels, four to an
+    element for int32 (packed UE8M0 bytes)."""
+    blocks = width // OUTPUT_BLOCK
+    return (n_tokens, groups, blocks // 4 if dtype == torch.int32 else blocks)
+
+
+@torch.no_grad()
+def inverse_quant_output(
+    o: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    groups: int,
+    scale_dtype: torch.dtype,
+    interleaved_in: bool,
+    interleaved_out: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o: [T, H, D]`` (checked; ``D`` a multiple of 128, the trailing ``R = cos.shape[-1]``
+    channels rotary) -> ``(codes, scales)``: ``codes`` ``uint8`` e4m3 ``[T, G, (H / G) * D]``
+    (``G = groups``; head ``h`` at ``[:, h // (H / G), (h % (H / G)) * D:][:D]``), the rope slice
+    rotated by the inverse angle in fp32 and every channel ``e4m3(x / s)`` with ``s`` its
+    128-channel block's :func:`ue8m0_block_exponents` scale; ``scales`` ``[T, G, (H / G) * D /
+    128]`` as ``scale_dtype``: fp32 values, UE8M0 bytes (``float8_e8m0fnu`` or ``uint8``), or
+    int32 (``[.., / 4]``: four bytes to an element, block ``k`` in byte ``k % 4``)."""
+    n_tokens, n_heads, head_dim = o.shape
+    rope_dim = cos.shape[1]
+    nope = head_dim - rope_dim
+    rope = rotate_rope(
+        o[..., nope:], cos, sin, positions, interleaved_in=interleaved_in,
+        interleaved_out=interleaved_out, inverse=True,
+    )  # fmt: skip
+    x = torch.cat((o[..., :nope].to(torch.float32), rope), dim=-1)
+    x = x.reshape(n_tokens, n_heads, head_dim // OUTPUT_BLOCK, OUTPUT_BLOCK)
+    exponent = ue8m0_block_exponents(x)
+    inverse = ((254 - exponent) << 23).view(torch.float32)
+    codes = e4m3_encode(x * inverse.unsqueeze(-1)).reshape(n_tokens, groups, -1)
+    exponent = exponent.reshape(n_tokens, groups, -1)
+    if scale_dtype == torch.float32:
+        scales = (exponent << 23).view(torch.float32)
+    elif scale_dtype == torch.int32:
+        scales = exponent.to(torch.uint8).reshape(n_tokens, groups, -1, 4).view(torch.int32)
+        scales = scales.squeeze(-1)
+    else:
+        scales = exponent.to(torch.uint8).view(scale_dtype)
+    return codes, scales
+
+
+def rope_inverse_quant_output(
+    o: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    groups: int = 1,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    scale_dtype: torch.dtype | None = None,
+    interleaved: bool = True,
+    interleaved_out: bool = True,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mlarope.serving.rope_inverse_quant_output` in plain PyTorch: the same arguments,
+    checks, errors and result (``out`` and ``scale_out`` themselves when given), computed by
+    :func:`inverse_quant_output`."""
+    from .._checks import validation_requested
+    from . import output  # output imports this module
+
+    call = output.check_output_call(
+        o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
+        interleaved_out,
+    )  # fmt: skip
+    if validation_requested(validate):
+        output.validate_output_on_device(call)
+    codes, scales = inverse_quant_output(
+        call.o, call.cos, call.sin, call.positions, groups=call.groups,
+        scale_dtype=call.scale_dtype, interleaved_in=call.interleaved,
+        interleaved_out=call.interleaved_out,
+    )  # fmt: skip
+    result = (
+        call.out if call.out is not None else torch.empty_like(codes, dtype=torch.float8_e4m3fn)
+    )
+    scale = call.scale_out if call.scale_out is not None else torch.empty_like(scales)
+    with torch.no_grad():
+        result.view(torch.uint8).copy_(codes)
+        scale.copy_(scales)
+    return result, scale

@@ -2,7 +2,10 @@
 
 DeepSeek-V3 shapes (``L = 512``, ``R = 64``, ``H = 128`` query heads, bf16 activations, fp32
 YaRN tables of 32,768 positions, pages of 64 tokens) for a prefill batch (16,384 tokens) and
-decode batches (1, 8, 64, 256 tokens). For each cache format and the decode query:
+decode batches (1, 8, 64, 256 tokens); DeepSeek-V4's for its FP8 cache (``fp8_584``: ``L =
+448``) and its attention output (``[T, 128, 512]``, V4-Pro's heads, 16 groups of 8: the inverse
+RoPE with FP8 quantization for the grouped output projection). For each cache format, the
+decode query and the output op:
 
 - the bytes model (:func:`bytes_moved`) and the time: ``do_bench`` with the L2 flushed for the
   prefill batch, CUDA-graph replay over rotated input sets for decode batches (the method of
@@ -12,8 +15,10 @@ decode batches (1, 8, 64, 256 tokens). For each cache format and the decode quer
 - decode: the host time of an eager call (median of loops of ``--host-calls`` calls), with a
   one-element torch op's host time measured right after it;
 - the unfused sequence it replaces: mlarope's rotation (``apply_rope_q``), ``torch.cat``, the
-  FP8 quantization and ``index_copy_`` into the cache; its time and host time, the speed-up,
-  and a check that both wrote the same values (within one rounding or one e4m3 step);
+  FP8 quantization and ``index_copy_`` into the cache (the output op: the inverse rotation,
+  then DeepSeek's ``act_quant`` recipe in torch: block amax, UE8M0 scale, division, clamp,
+  conversion); its time and host time, the speed-up, and a check that both wrote the same
+  values (within one rounding or one e4m3 step);
 - FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` (the split FP8 cache),
   ``mla_rope_quantize_fp8`` (the FP8 query) and ``append_paged_mla_kv_cache`` (the split bf16
   cache; a plain append without rotation, handed the rotated values) on the same inputs, when
@@ -62,17 +67,20 @@ class Dims:
     block_size: int = 64
     positions: int = 32768
     dtype: torch.dtype = torch.bfloat16
+    v4_latent: int = 448  # DeepSeek-V4's nope width: fp8_584's latent
+    head_dim: int = 512  # DeepSeek-V4's head, [nope 448 | rope 64]: the output op's D
+    heads_per_group: int = 8  # V4's o_groups split its heads in groups of 8 (Pro: 128 / 16)
 
 
 @dataclass(frozen=True)
 class OpSpec:
     key: str
     label: str
-    kind: str  # "append" | "query"
+    kind: str  # "append" | "query" | "output"
     fmt: str = ""  # cache format (append)
     cache_dtype: torch.dtype | None = None  # concat / split: the cache's dtype
     fp8_out: bool = False  # query: FP8 output
-    out_given: bool = False  # query: into a caller's buffer
+    out_given: bool = False  # query, output: into a caller's buffers (output: vLLM's layout)
 
 
 OPS = (
@@ -81,9 +89,18 @@ OPS = (
     OpSpec("append_split_bf16", "append split bf16", "append", "split", torch.bfloat16),
     OpSpec("append_split_fp8", "append split fp8", "append", "split", torch.float8_e4m3fn),
     OpSpec("append_fp8_656", "append fp8_656", "append", "fp8_656"),
+    OpSpec("append_fp8_584", "append fp8_584 (V4)", "append", "fp8_584"),
     OpSpec("query_bf16", "decode query bf16", "query"),
     OpSpec("query_fp8", "decode query fp8", "query", fp8_out=True),
     OpSpec("query_fp8_out", "decode query fp8 into buffer", "query", fp8_out=True, out_given=True),
+    OpSpec("output_fp8", "inverse rope fp8 output (V4)", "output", fp8_out=True),
+    OpSpec(
+        "output_fp8_vllm",
+        "inverse rope fp8 output, vLLM layout",
+        "output",
+        fp8_out=True,
+        out_given=True,
+    ),
 )
 OPS_BY_KEY = {op.key: op for op in OPS}
 CASES = {"prefill": 16384, "decode1": 1, "decode8": 8, "decode64": 64, "decode256": 256}
@@ -98,14 +115,22 @@ def bytes_moved(op: OpSpec, tokens: int, dims: Dims) -> int:
     - append, concat / split: read ``kv_c`` and ``k_pe`` (``(L + R) * e``), write the entry
       (``(L + R)`` elements of the cache's dtype) per token;
     - append, fp8_656: read ``(L + R) * e``, write 656 bytes per token;
+    - append, fp8_584: read ``(448 + R) * e``, write 584 bytes per token;
     - decode query: read ``q_nope`` and ``q_pe``, write ``[T, H, L + R]`` in the output dtype
-      (``e`` or 1 byte) per token and head.
+      (``e`` or 1 byte) per token and head;
+    - output: read ``o`` (``D * e``), write ``D`` codes and ``D / 128`` fp32 scales per token
+      and head.
     """
     e = torch.empty((), dtype=dims.dtype).element_size()
     width = dims.latent + dims.rope
+    if op.kind == "output":
+        d = dims.head_dim
+        return tokens * dims.heads * (d * e + d + d // 128 * 4)
     if op.kind == "append":
         if op.fmt == "fp8_656":
             return tokens * (width * e + 656)
+        if op.fmt == "fp8_584":
+            return tokens * ((dims.v4_latent + dims.rope) * e + 584)
         cache_e = torch.empty((), dtype=op.cache_dtype).element_size()
         return tokens * width * (e + cache_e)
     out_e = 1 if op.fp8_out else e
@@ -121,6 +146,9 @@ class Inputs:
     k_pe: torch.Tensor | None = None
     q_nope: torch.Tensor | None = None
     q_pe: torch.Tensor | None = None
+    o: torch.Tensor | None = None  # output op: [T, H, D]
+    groups: int = 1  # output op: the head groups of the output projection
+    scale_out: torch.Tensor | None = None  # output op, vLLM's layout: MN-major fp32 scales
     positions: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     cache: object = None
@@ -148,6 +176,12 @@ def make_inputs(op: OpSpec, tokens: int, dims: Dims, device, gen, prefill: bool)
     positions = torch.randint(0, dims.positions, (tokens,), generator=gen).to(device)
     inp = Inputs(positions=positions, scale=torch.tensor([0.05], device=device))
     width = dims.latent + dims.rope
+    if op.kind == "output":
+        inp.o = randn(tokens, dims.heads, dims.head_dim)
+        inp.groups = max(1, dims.heads // dims.heads_per_group)
+        if op.out_given:
+            inp.out, inp.scale_out = vllm_output_buffers(tokens, dims, device)
+        return inp
     if op.kind == "query":
         inp.q_nope = randn(tokens, dims.heads, dims.latent)
         inp.q_pe = randn(tokens, dims.heads, dims.rope)
@@ -156,13 +190,18 @@ def make_inputs(op: OpSpec, tokens: int, dims: Dims, device, gen, prefill: bool)
             inp.out = torch.empty(tokens, dims.heads, width, dtype=dtype, device=device)
         return inp
     # a fused projection's output, as engines slice it
-    proj = randn(tokens, width)
-    inp.kv_c, inp.k_pe = proj[:, : dims.latent], proj[:, dims.latent :]
+    latent = dims.v4_latent if op.fmt == "fp8_584" else dims.latent
+    proj = randn(tokens, latent + dims.rope)
+    inp.kv_c, inp.k_pe = proj[:, :latent], proj[:, latent:]
     slots, n_blocks = _slots(tokens, dims, gen, prefill)
     inp.slots = slots.to(device)
     bs = dims.block_size
     if op.fmt == "fp8_656":
         inp.cache = torch.zeros(n_blocks, bs, 656, dtype=torch.uint8, device=device)
+    elif op.fmt == "fp8_584":  # as FlashMLA allocates it: blocks padded to 576 bytes
+        padded = -(-bs * 584 // 576) * 576
+        raw = torch.zeros(n_blocks, padded, dtype=torch.uint8, device=device)
+        inp.cache = raw[:, : bs * 584].view(n_blocks, bs, 1, 584)
     elif op.fmt == "concat":
         inp.cache = torch.zeros(n_blocks, bs, width, dtype=op.cache_dtype, device=device)
     else:
@@ -173,14 +212,34 @@ def make_inputs(op: OpSpec, tokens: int, dims: Dims, device, gen, prefill: bool)
     return inp
 
 
+def vllm_output_buffers(tokens: int, dims: Dims, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's buffers for DeepSeek-V4's FP8 output projection on Hopper
+    (``fused_inv_rope_fp8_quant``): codes ``[G, T, W]`` and fp32 scales ``[G, K, T']`` (``T'``
+    the tokens rounded up to 4, MN-major, as DeepGEMM takes them), as the ``[T, G, ..]`` views
+    the op writes."""
+    g = max(1, dims.heads // dims.heads_per_group)
+    width = dims.heads // g * dims.head_dim
+    k = width // 128
+    padded = -(-tokens // 4) * 4
+    codes = torch.empty(g, tokens, width, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.zeros(g * k * padded, dtype=torch.float32, device=device)
+    scales = scales.as_strided((g, tokens, k), (k * padded, 1, padded))
+    return codes.transpose(0, 1), scales.transpose(0, 1)
+
+
 def _fp8_cache(op: OpSpec) -> bool:
     return op.cache_dtype == torch.float8_e4m3fn
 
 
 def ours(op: OpSpec, inp: Inputs, cos, sin) -> Callable[[], object]:
     """The call through the public API (its eager plan after the first call)."""
-    from mlarope.serving import rope_append_kv_cache, rope_decode_query
+    from mlarope.serving import rope_append_kv_cache, rope_decode_query, rope_inverse_quant_output
 
+    if op.kind == "output":
+        return lambda: rope_inverse_quant_output(
+            inp.o, cos, sin, inp.positions, groups=inp.groups, out=inp.out,
+            scale_out=inp.scale_out,
+        )  # fmt: skip
     if op.kind == "append":
         scale = inp.scale if _fp8_cache(op) else None
         return lambda: rope_append_kv_cache(
@@ -209,6 +268,29 @@ def unfused(op: OpSpec, inp: Inputs, cos, sin) -> Callable[[], object]:
             interleaved_out=True,
         )  # fmt: skip
 
+    if op.kind == "output":
+        t, h, d = inp.o.shape
+
+        def output():
+            # the inverse rotation (rounded to o's dtype, as DeepSeek's apply_rotary_emb), then
+            # DeepSeek's act_quant with UE8M0 scales, in torch
+            o = mlarope.apply_rope_q(
+                inp.o, cos, sin, layout="thd", position_ids=inp.positions, interleaved=True,
+                interleaved_out=True, inverse=True,
+            )  # fmt: skip
+            x = o.float().view(t, h * d // 128, 128)
+            amax = x.abs().amax(-1).clamp_min(1e-4)
+            scale = torch.exp2(torch.ceil(torch.log2(amax * (1.0 / 448.0))))
+            codes = (x / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            codes, scale = codes.view(t, inp.groups, -1), scale.view(t, inp.groups, -1)
+            if inp.out is not None:
+                inp.out.copy_(codes)
+                inp.scale_out.copy_(scale)
+                return inp.out, inp.scale_out
+            return codes, scale
+
+        return output
+
     if op.kind == "query":
 
         def query():
@@ -225,6 +307,23 @@ def unfused(op: OpSpec, inp: Inputs, cos, sin) -> Callable[[], object]:
 
     def append():
         k_rot = rotate(inp.k_pe.unsqueeze(1)).squeeze(1)
+        if op.fmt == "fp8_584":  # FlashMLA's quantize_k_cache recipe (MODEL1_FP8Sparse)
+            x = inp.kv_c.float().view(t, 7, 64)
+            scale = (x.abs().amax(-1) / 448.0).clamp_min(1e-4).log2().ceil().exp2()
+            codes = (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
+            rows = torch.cat((codes.view(t, 448), k_rot.to(torch.bfloat16).view(torch.uint8)), 1)
+            ue8m0 = ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+            n_blocks, bs = inp.cache.shape[:2]
+            raw = inp.cache.view(torch.uint8).squeeze(2)
+            raw = raw.as_strided((n_blocks, bs * 584), (raw.stride(0), 1))
+            data = raw[:, : bs * 576].unflatten(1, (bs, 576))
+            scales = raw[:, bs * 576 :].unflatten(1, (bs, 8))
+            valid = inp.slots >= 0
+            slots = inp.slots[valid]
+            blocks, entries = slots // bs, slots % bs
+            data[blocks, entries] = rows[valid]
+            scales[blocks, entries, :7] = ue8m0[valid]
+            return
         if op.fmt == "fp8_656":
             x = inp.kv_c.float().view(t, 4, 128)
             scale = (x.abs().amax(-1) / 448.0).clamp_min(1e-4).log2().ceil().exp2()
@@ -257,7 +356,13 @@ def unfused(op: OpSpec, inp: Inputs, cos, sin) -> Callable[[], object]:
 
 
 def _readback(op: OpSpec, inp: Inputs, result, dims: Dims) -> torch.Tensor:
-    """What a call wrote, dequantized to fp32: ``[T, L + R]`` entries or the query."""
+    """What a call wrote, dequantized to fp32: ``[T, L + R]`` entries, the query, or the
+    output op's ``[T, G, W]``."""
+    if op.kind == "output":
+        codes, scale = result if inp.out is None else (inp.out, inp.scale_out)
+        t, g, w = codes.shape
+        values = e4m3_decode(codes).view(t, g, w // 128, 128) * scale.float().unsqueeze(-1)
+        return values.reshape(t, g, w)
     if op.kind == "query":
         q = inp.out if inp.out is not None else result
         return (e4m3_decode(q) * inp.scale) if op.fp8_out else q.float()
@@ -276,9 +381,13 @@ def compare(op: OpSpec, dims: Dims, device, cos, sin, seed: int, fi=None) -> dic
     gen = torch.Generator().manual_seed(seed)
     a = make_inputs(op, 64, dims, device, gen, prefill=True)
     x = _readback(op, a, ours(op, a, cos, sin)(), dims)
-    fp8 = _fp8_cache(op) or op.fp8_out or op.fmt == "fp8_656"
+    fp8 = _fp8_cache(op) or op.fp8_out or op.fmt in ("fp8_656", "fp8_584")
     rel = 2.0**-3 if fp8 else 2.0**-7
     floor = float(a.scale) * 2.0**-9 if fp8 else 0.0
+    if op.kind == "output":
+        # the unfused sequence rounds the rotation to bf16 first, which may move a block's
+        # scale by a factor of two: one e4m3 step of the larger scale, subnormals included
+        rel, floor = 2.0**-2, float(x.abs().max()) * 2.0**-12
 
     def against(y: torch.Tensor) -> tuple[float, bool]:
         excess = ((x - y).abs() - rel * x.abs() - floor).max().item()
@@ -303,7 +412,12 @@ def compare(op: OpSpec, dims: Dims, device, cos, sin, seed: int, fi=None) -> dic
 
 
 def _clone(a: Inputs) -> Inputs:
-    b = Inputs(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(a).items()})
+    def clone(v):  # with the same strides (fp8_584's padded blocks, MN-major scales)
+        if not isinstance(v, torch.Tensor):
+            return v
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).copy_(v)
+
+    b = Inputs(**{k: clone(v) for k, v in vars(a).items()})
     if isinstance(a.cache, tuple):
         b.cache = tuple(c.clone() for c in a.cache)
     if a.kv_c is not None:  # keep kv_c and k_pe slices of one projection, as engines pass them
@@ -436,7 +550,7 @@ def _select(spec: str, choices, what: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    dims = Dims(heads=8, positions=4096) if args.cpu_smoke else Dims()
+    dims = Dims(heads=8, positions=4096, heads_per_group=4) if args.cpu_smoke else Dims()
     cases = SMOKE_CASES if args.cpu_smoke else CASES
     try:
         case_keys = _select(args.cases, cases, "cases")
@@ -576,6 +690,7 @@ def run_sweep(
     """The prefill batch under other launch configurations (the first ``limit`` of them), and
     FP8 with the integer encoder (``kernels.serving.NATIVE_CASTS = False``): kernel time and %
     of copy."""
+    from mlarope.kernels import output_quant
     from mlarope.kernels import serving as kernels
     from mlarope.serving import formats, ops
 
@@ -584,7 +699,25 @@ def run_sweep(
         op = OPS_BY_KEY[key]
         inp = make_inputs(op, tokens, dims, device, gen, prefill=True)
         nbytes = bytes_moved(op, tokens, dims)
-        if op.kind == "append":
+        if op.kind == "output":
+            # 1 to 16 heads a program, 4 to 32 elements a thread of one 128-channel block
+            configs = [
+                output_quant.OutputConfig(bt, bh, w)
+                for bt in (2, 1)
+                for bh in (16, 8, 4, 2, 1)
+                for w in (8, 4, 2, 1)
+                if 4 <= bt * bh * 128 // (32 * w) <= 32
+            ]
+            out = torch.empty(tokens, inp.groups, dims.heads // inp.groups * dims.head_dim,
+                              dtype=torch.uint8, device=device)  # fmt: skip
+            scale_out = torch.empty(*out.shape[:2], out.shape[2] // 128, device=device)
+
+            def launch(config, inp=inp, out=out, scale_out=scale_out):
+                ops.output_with_kernel(
+                    inp.o, cos, sin, inp.positions, out, scale_out, inp.groups, True, True,
+                    config=config,
+                )  # fmt: skip
+        elif op.kind == "append":
             scale = inp.scale if _fp8_cache(op) else None
             call = formats.check_append_call(
                 inp.kv_c, inp.k_pe, cos, sin, inp.positions, inp.cache, inp.slots, op.fmt,
@@ -621,7 +754,7 @@ def run_sweep(
                 )  # fmt: skip
 
         variants = [(str(c), c, True) for c in configs[:limit]]
-        if op.fp8_out or _fp8_cache(op) or op.fmt == "fp8_656":
+        if op.fp8_out or _fp8_cache(op) or op.fmt in ("fp8_656", "fp8_584"):
             variants.append(("heuristic, integer e4m3 encoder", None, False))
         variants.insert(0, ("heuristic", None, True))
         for label, config, native in variants:
