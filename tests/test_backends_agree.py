@@ -124,3 +124,43 @@ def test_bf16_subnormal_inputs_are_read_exactly(device):
     q = values.repeat(R // 4 * 2).view(1, 2, R).to(device)
     got = mlarope.apply_rope_q(q, cos, sin, layout="thd", interleaved=False)
     assert_same_bits(got, q, "identity rotation of bf16 subnormals")
+
+
+@pytest.mark.parametrize("cache_format", ["concat", "fp8_656", "fp8_584"])
+def test_serving_nan_rope_values_are_canonical(device, cache_format, reference_backend):
+    """A position outside the table writes NaN rope values into the cache: bf16's canonical
+    ``0x7FC0`` on every backend (the reference stored ``0xFFFF``), the rest of the entry the
+    same bytes too; the decode query likewise."""
+    from mlarope import serving
+
+    latent = {"concat": 512, "fp8_656": 512, "fp8_584": 448}[cache_format]
+    cos, sin = mlarope.YarnConfig.deepseek_v3().cos_sin(8, device=device)
+    kv_c = torch.randn(3, latent, device=device).to(torch.bfloat16)
+    k_pe = torch.randn(3, R, device=device).to(torch.bfloat16)
+    positions = torch.tensor([0, 100, 2], device=device)
+    slots = torch.tensor([1, 5, 6], device=device)
+
+    def cache_bytes(kv_c, k_pe, cos, sin, positions, slots):
+        if cache_format == "concat":
+            cache = torch.zeros(2, 4, latent + R, dtype=torch.bfloat16, device=kv_c.device)
+        elif cache_format == "fp8_656":
+            cache = torch.zeros(2, 4, 656, dtype=torch.uint8, device=kv_c.device)
+        else:  # FlashMLA's allocation: blocks padded to a multiple of 576 bytes
+            padded = -(-4 * 584 // 576) * 576
+            cache = torch.zeros(2, padded, dtype=torch.uint8, device=kv_c.device)
+            cache = cache[:, : 4 * 584].view(2, 4, 1, 584)
+        serving.rope_append_kv_cache(kv_c, k_pe, cos, sin, positions, cache, slots,
+                                     cache_format=cache_format)  # fmt: skip
+        return cache.contiguous().view(torch.uint8).clone()
+
+    got = cache_bytes(kv_c, k_pe, cos, sin, positions, slots)
+    want = reference_backend(cache_bytes, kv_c, k_pe, cos, sin, positions, slots)
+    assert torch.equal(got.cpu(), want), f"{cache_format}: the cache bytes differ"
+
+    def query(q_nope, q_pe, cos, sin, positions):
+        return serving.rope_decode_query(q_nope, q_pe, cos, sin, positions)
+
+    q_nope = torch.randn(3, 2, 512, device=device).to(torch.bfloat16)
+    q_pe = torch.randn(3, 2, R, device=device).to(torch.bfloat16)
+    out = query(q_nope, q_pe, cos, sin, positions)
+    assert_same_bits(out, reference_backend(query, q_nope, q_pe, cos, sin, positions), "query")

@@ -100,16 +100,15 @@ def e4m3_codes(x, NATIVE: tl.constexpr):
 
 @triton.jit
 def bf16_bits(x, NATIVE: tl.constexpr):
-    """fp32 -> int16 bits of the bf16 nearest to ``x`` (ties to even; NaN stays NaN).
-    ``NATIVE``: the hardware conversion, else integer operations (the interpreter truncates)."""
+    """fp32 -> int16 bits of the bf16 nearest to ``x`` (ties to even), a NaN as bf16's
+    canonical quiet NaN ``0x7FC0`` on every backend (as the core kernels store it:
+    ``rotation.from_f32``). ``NATIVE``: the hardware conversion, else integer operations (the
+    interpreter truncates)."""
     if NATIVE:
-        return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
-    # The core's rounding gives the bf16 value as fp32 (its low 16 bits zero) and passes a NaN
-    # through with its payload, whose top 16 bits alone could read as infinity: a quiet NaN
-    # with x's sign instead.
-    rounded = round_to_16bit(x, tl.bfloat16).to(tl.int32, bitcast=True) >> 16
-    sign = (x.to(tl.int32, bitcast=True) >> 16) & 0x8000
-    return tl.where(x != x, 0x7FC0 | sign, rounded).to(tl.int16)
+        bits = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+    else:
+        bits = (round_to_16bit(x, tl.bfloat16).to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+    return tl.where(x != x, 0x7FC0, bits).to(tl.int16)
 
 
 @triton.jit
@@ -180,9 +179,9 @@ def _per_tensor_scale(scale_ptr, scale_value, SCALE_MODE: tl.constexpr):
 def _encode(x, scale, MODE: tl.constexpr, NATIVE: tl.constexpr):
     """fp32 rope values -> the bits the destination stores."""
     if MODE == FP32:
-        return x.to(tl.int32, bitcast=True)
+        return tl.where(x != x, 0x7FC00000, x.to(tl.int32, bitcast=True))
     elif MODE == FP16:
-        return x.to(tl.float16).to(tl.int16, bitcast=True)
+        return tl.where(x != x, 0x7E00, x.to(tl.float16).to(tl.int16, bitcast=True)).to(tl.int16)
     elif MODE == BF16:
         return bf16_bits(x, NATIVE)
     else:

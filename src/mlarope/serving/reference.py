@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 # Core import point (the rotation's spec).
-from ..reference import rotate_pairs
+from ..reference import canonical_nan, rotate_pairs
 
 E4M3_MAX = 448.0
 FP8_656_BYTES = 656  # per token: 512 e4m3 codes, 4 fp32 tile scales, 64 bf16 rope values
@@ -180,7 +180,7 @@ def _round(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
     """fp32 values stored as ``dtype`` (FP8: ``uint8`` codes of ``x / scale``)."""
     if dtype in (torch.float8_e4m3fn, torch.uint8):
         return quantize(x, scale)
-    return x.to(dtype)
+    return canonical_nan(x.to(dtype))
 
 
 # ------------------------------------------------------------------------------------ the cache
@@ -276,7 +276,7 @@ def append_kv_cache(
         scales = pow2_tile_scales(x)
         codes = e4m3_encode(x * (1.0 / scales).unsqueeze(-1)).reshape(-1, latent)
         record = torch.cat(
-            (codes, scales.view(torch.uint8), rope[tokens].to(torch.bfloat16).view(torch.uint8)),
+            (codes, scales.view(torch.uint8), _bf16_bytes(rope[tokens])),
             dim=1,
         )
         _write(records, blocks, entries, record)
@@ -287,7 +287,7 @@ def append_kv_cache(
         x = kv_c[tokens].to(torch.float32).reshape(-1, FP8_584_TILES, FP8_584_TILE)
         scales = pow2_tile_scales(x)
         codes = e4m3_encode(x * (1.0 / scales).unsqueeze(-1)).reshape(-1, latent)
-        row = torch.cat((codes, rope[tokens].to(torch.bfloat16).view(torch.uint8)), dim=1)
+        row = torch.cat((codes, _bf16_bytes(rope[tokens])), dim=1)
         _write(data, blocks, entries, row)
         _write(scale_rows, blocks, entries, e8m0_encode(scales))
         return
@@ -306,6 +306,11 @@ def append_kv_cache(
         (kpe_cache, _round(rope[tokens], dtype, kv_scale)),
     ):
         _write(_as_codes(target) if _is_fp8(dtype) else target, blocks, entries, values)
+
+
+def _bf16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 rope values as the bytes of their bf16 (a NaN as the canonical ``0x7FC0``)."""
+    return canonical_nan(x.to(torch.bfloat16)).view(torch.uint8)
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:
@@ -405,7 +410,7 @@ def decode_query(
     if out_dtype == torch.float8_e4m3fn:
         out = torch.cat((quantize(q_nope, q_scale), quantize(rope, q_scale)), dim=-1)
         return out.view(torch.float8_e4m3fn)
-    return torch.cat((q_nope.to(out_dtype), rope.to(out_dtype)), dim=-1)
+    return torch.cat((q_nope.to(out_dtype), canonical_nan(rope.to(out_dtype))), dim=-1)
 
 
 # ------------------------------------------------------------------ the public calls, in PyTorch
