@@ -301,3 +301,80 @@ def test_megatron_compat_key_value_call_replays(device):
         assert all(torch.equal(a, b) for a, b in zip(r[2:], results[0][2:], strict=True))
     assert torch.equal(results[4][4], results[3][4])
     assert not torch.equal(results[3][4], results[0][4]), "the two roundings differ here"
+
+
+# ---------------------------------------------------------------------------------------------
+# found by review: what the replayed node saves, unused outputs, compiled autograd
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["q", "kv", "qk"])
+def test_activation_checkpointing_sees_the_same_saved_tensors(device, op):
+    """Non-reentrant checkpointing compares what the recomputation saves with what the forward
+    saved. The first call of a signature runs the pipeline and its recomputation replays (and,
+    after the cache is cleared, the other way round): the replayed node must save the
+    pipeline's tensors, as many, in the same shapes (tables as ``[P, R]``, positions broadcast;
+    ``apply_rope_qk``'s pipeline is two nodes). Tables ``[P, 1, R]`` and broadcast positions."""
+    from torch.utils.checkpoint import checkpoint
+
+    cos, sin = (t.view(P, 1, R) for t in tables(device))
+    ids = torch.randint(0, P, (5,), device=device)
+    x0 = torch.randn(2, 5, H, K + R, device=device)
+    k0 = torch.randn(2, 5, 1, R, device=device)
+    kw = dict(layout="bshd", position_ids=ids)
+
+    def layer(x, k):
+        if op == "q":
+            outs = (mlarope.apply_rope_q(x * 1, cos, sin, **kw),)
+        elif op == "kv":
+            outs = mlarope.apply_rope_kv(x * 1, k * 1, cos, sin, k_dim=K, **kw)
+        else:
+            outs = mlarope.apply_rope_qk(x * 1, k * 1, cos, sin, **kw)
+        return sum((o * o).sum() for o in outs)
+
+    grads = []
+    for i in range(4):
+        x, k = x0.clone().requires_grad_(), k0.clone().requires_grad_()
+        checkpoint(layer, x, k, use_reentrant=False).backward()
+        grads.append((x.grad, k.grad))
+        if i == 1:
+            clear_launch_cache()
+    for g in grads[1:]:
+        assert torch.equal(g[0], grads[0][0])
+        assert (g[1] is None) == (grads[0][1] is None)
+
+
+def test_pair_output_unused_gets_no_gradient(device):
+    """Only ``q``'s output reaches the loss: ``k`` gets no gradient (None), as with two calls,
+    and ``torch.autograd.grad`` for ``k`` raises as it does there."""
+    cos, sin = tables(device)
+    q0, k0, ids = _pair_inputs(device)
+    for _ in range(3):
+        q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+        a, _ = mlarope.apply_rope_qk(q, k, cos, sin, layout="bshd", position_ids=ids)
+        a.sum().backward()
+        assert k.grad is None and q.grad is not None
+        q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+        a, _ = mlarope.apply_rope_qk(q, k, cos, sin, layout="bshd", position_ids=ids)
+        with pytest.raises(RuntimeError, match="not have been used in the graph"):
+            torch.autograd.grad(a.sum(), (q, k))
+    assert node(a) == REPLAYED
+
+
+def test_compiled_autograd_traces_a_replayed_backward(device):
+    """Under torch's compiled autograd the backward is traced: a replayed node runs the op's
+    own backward there (a recorded launch cannot take traced tensors)."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    cos, sin = tables(device)
+    q0 = torch.randn(T, H, N + R, device=device)
+    g0 = torch.randn(T, H, N + R, device=device)
+    grads = []
+    for _ in range(3):
+        leaf = q0.clone().requires_grad_()
+        out = q_call(leaf, cos, sin)
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            out.backward(g0)
+        grads.append(leaf.grad)
+    assert node(out) == REPLAYED
+    assert all(torch.equal(g, grads[0]) for g in grads[1:])

@@ -840,3 +840,17 @@ def test_the_recorded_measurements_name_known_families():
     for name, figures in _measured.MEASURED.items():
         assert report[name].status == "patched", name
         assert bool(figures.misses()) == bool(report[name].off_by_default), name
+
+
+def test_patched_model_runs_under_inference_mode(device):
+    """Inference tensors have no version counter: the tables kept per cos/sin object are not
+    kept for them (found by review: the patched model raised under torch.inference_mode)."""
+    model = _v3_model(device, rope_interleave=True).eval()
+    ids = torch.randint(3, 60, (1, 6), device=device)
+    with torch.no_grad():
+        want = model(ids).logits
+    with mt.mlarope_patched("deepseek_v3"), torch.inference_mode():
+        got = model(ids).logits
+        again = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, again)

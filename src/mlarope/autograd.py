@@ -387,14 +387,20 @@ class _Replayed(torch.autograd.Function):
     node: the forward makes the recorded launches on the new tensors; the backward makes the
     launches its first backward with the same gradient metadata made, or runs the op's own
     backward (recording it) where there are none. Inputs: the plan, the activations, then the
-    tensors the record reads (``cos, sin[, position_ids]``, as the caller passed them)."""
+    tensors the record reads (``cos, sin[, position_ids]``, as the caller passed them).
+
+    It saves exactly what the pipeline's nodes save (``ops.call_tensors`` of the record: the
+    tables as ``[P, R]``, the positions broadcast to the token dims; twice for ``"qk"``, whose
+    pipeline is two nodes), so activation checkpointing, which compares what a recomputation
+    saves with what the forward saved, sees the same tensors whichever path each one took."""
 
     @staticmethod
     def forward(ctx, plan, *inputs):
         outs = plan.forward.run(inputs)
         n = plan.n_activations
         ctx.plan = plan
-        ctx.save_for_backward(*inputs[n:])
+        record = _record_tensors(inputs[0], inputs[n:])
+        ctx.save_for_backward(*(record * 2 if plan.op == "qk" else record))
         op = plan.op
         if op == "q":
             if plan.inplace:
@@ -408,16 +414,27 @@ class _Replayed(torch.autograd.Function):
             if plan.call.copy_v:
                 return outs[0], outs[1]
             return outs[0], inputs[0][..., plan.call.k_dim :]
-        return outs[0], outs[1]  # "qk"
+        # "qk": a gradient for an unused output stays None (two nodes would not see one)
+        ctx.set_materialize_grads(False)
+        return outs[0], outs[1]
 
     @staticmethod
     def backward(ctx, *grads):
         plan = ctx.plan
-        saved = ctx.saved_tensors
+        cos, sin, _, position_ids, _ = ctx.saved_tensors[:5]
+        saved = (cos, sin) if position_ids is None else (cos, sin, position_ids)
+        if any(g is None for g in grads):  # "qk" only: one output unused
+            results = tuple(
+                None if g is None else _q_gradient(_ready(g), _call_of(plan, saved, g), False)
+                for g in grads
+            )
+            return (None, *results, *(None,) * (len(saved)))
         grads = tuple(_ready(g) for g in grads)
         inputs = (*grads, *saved)
         results = None
-        plain = not needs_autograd(*grads)  # else a double backward: the op's own, recorded
+        # A double backward (gradients that require grad) and compiled autograd (traced
+        # tensors) run the op's own backward: autograd records it, or the compiler traces it.
+        plain = not needs_autograd(*grads) and not _in_compiled_autograd()
         if plain:
             entry = plan.find_backward(inputs)
             if entry is not _plans.MISSING:
@@ -441,33 +458,53 @@ class _Replayed(torch.autograd.Function):
                 results = _replayed_backward(plan, grads, saved)
         if plan.op == "kv":
             results = (results[0], results[1].view(ctx.k_pe_shape))
-        return (None, *results, *(None,) * len(saved))
+        return (None, *results, *(None,) * (len(saved)))
+
+
+def _record_tensors(x: Tensor, tables: tuple) -> tuple:
+    """``ops.call_tensors`` of the pipeline's record for a replayed call on ``x`` with the
+    caller's ``(cos, sin[, position_ids])``: ``(cos [P, R], sin [P, R], None, position_ids
+    broadcast to x's token dims or None, None)``, as ``_checks`` makes them."""
+    cos, sin = tables[0], tables[1]
+    if cos.dim() != 2:
+        rows, rope_dim = cos.shape[0], cos.shape[-1]
+        cos, sin = cos.reshape(rows, rope_dim), sin.reshape(rows, rope_dim)
+    position_ids = tables[2] if len(tables) > 2 else None
+    if position_ids is not None:
+        tokens = x.shape[: x.dim() - 2]
+        if position_ids.shape != tokens:
+            position_ids = position_ids.expand(tokens)
+    return (cos, sin, None, position_ids, None)
+
+
+def _call_of(plan, saved: tuple, x: Tensor):
+    """The record of a replayed call, its tensors the saved ones (``cos, sin[, ids]``: already
+    the pipeline's ``[P, R]`` tables and broadcast positions, :func:`_record_tensors`)."""
+    position_ids = saved[2] if len(saved) > 2 else None
+    return with_tensors(plan.call, (saved[0], saved[1], None, position_ids, None))
 
 
 def _replayed_backward(plan, grads: tuple, saved: tuple) -> tuple:
-    """The op's own backward for a replayed call: its record with the saved tensors, as the
-    pipeline made it (tables as ``[P, R]``, ``position_ids`` broadcast to the token dims)."""
-    cos, sin = saved[0], saved[1]
-    rows, rope_dim = cos.shape[0], cos.shape[-1]
-    position_ids = saved[2] if len(saved) > 2 else None
-    if position_ids is not None:
-        tokens = grads[0].shape[: grads[0].dim() - 2]
-        position_ids = position_ids.expand(tokens)
-    call = with_tensors(
-        plan.call, (cos.view(rows, rope_dim), sin.view(rows, rope_dim), None, position_ids, None)
-    )
+    """The op's own backward for a replayed call (its record with the saved tensors)."""
+    call = _call_of(plan, saved, grads[0])
     if plan.op == "kv":
         return _apply_kv_backward(grads[0], grads[1], call)
     return tuple(_q_gradient(g, call, plan.inplace_backward) for g in grads)
 
 
+def _in_compiled_autograd() -> bool:
+    """Inside torch's compiled autograd (its backward is traced, not run)."""
+    compiled = getattr(getattr(torch, "_dynamo", None), "compiled_autograd", None)
+    return compiling() or bool(getattr(compiled, "in_compiled_autograd_region", False))
+
+
 _apply_replayed = _Replayed.apply
-_function_base_apply = getattr(torch._C._FunctionBase, "apply", None)
-if _function_base_apply is not None:
+_function_base_apply = vars(torch._C._FunctionBase).get("apply")
+if _function_base_apply is not None and hasattr(_function_base_apply, "__get__"):
     # torch.autograd.Function.apply without its Python prologue: it checks for torch.func
     # transforms and unwraps their dead wrappers, neither of which a replayed call can meet
     # (the signature refuses an active transform and any tensor that is not plain).
-    _apply_replayed = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Replayed)
+    _apply_replayed = _function_base_apply.__get__(None, _Replayed)
 
 
 def replay(plan: _plans.GradPlan, inputs: tuple):

@@ -101,7 +101,8 @@ _CANONICAL_NAN = {
 def canonical_nan(t: torch.Tensor) -> torch.Tensor:
     """``t`` with every NaN replaced by its dtype's canonical quiet NaN (the same bits)."""
     int_dtype, bits = _CANONICAL_NAN[t.dtype]
-    nan = torch.tensor(bits, dtype=int_dtype, device=t.device).view(t.dtype)
+    # torch.full, not torch.tensor: no host-to-device copy (a sync, and not capturable)
+    nan = torch.full((), bits, dtype=int_dtype, device=t.device).view(t.dtype)
     return torch.where(t.isnan(), nan, t)
 
 

@@ -294,11 +294,14 @@ def _tables(sources: tuple, rows: int, kind: str) -> tuple:
     -> the ``[Bc * S, R]`` tables mlarope rotates by."""
     if kind == "full":
         return _make_tables(sources, rows, kind)  # views: nothing to keep
-    if torch.compiler.is_compiling() or (
-        sources[0].is_cuda and torch.cuda.is_current_stream_capturing()
+    if (
+        torch.compiler.is_compiling()
+        or (sources[0].is_cuda and torch.cuda.is_current_stream_capturing())
+        or any(t.is_inference() for t in sources)
     ):
         # Compiled, the graph makes them; inside a CUDA graph, the graph's own (a kept table
-        # could be replaced, and freed, while the graph still reads it).
+        # could be replaced, and freed, while the graph still reads it); inference tensors
+        # have no version counter to tell an in-place write by.
         return _make_tables(sources, rows, kind)
     prepared = getattr(_PREPARED, "last", None)
     if prepared is None:
