@@ -54,8 +54,10 @@ def _family_shapes(family: str) -> tuple[int, int, int]:
             value = None
         return default if value is None else value
 
-    heads, nope = read("num_attention_heads", 16), read("qk_nope_head_dim", 128)
-    return heads, nope, read("qk_rope_head_dim", 64)
+    heads, rope = read("num_attention_heads", 16), read("qk_rope_head_dim", 64)
+    head_dim = read("head_dim", None)  # DeepSeek-V4: a whole head [nope | rope]
+    nope = read("qk_nope_head_dim", head_dim - rope if head_dim else 128)
+    return heads, nope, rope
 
 
 def family_rows(seq: int, calls: int, dev) -> list[tuple]:
@@ -81,6 +83,12 @@ def family_rows(seq: int, calls: int, dev) -> list[tuple]:
                     torch.randn(1, seq, rope, device=dev).to(torch.bfloat16) for _ in range(2)
                 )
             grads = (torch.randn_like(q0), torch.randn_like(k0))
+            if getattr(mapping, "one_tensor", False):
+                # (x, cos, sin): the whole head [nope | rope], tables one entry per pair when
+                # half-width (DeepSeek-V4's)
+                width = rope // 2 if getattr(mapping, "half_width_tables", False) else rope
+                tables = tuple(t[..., :width].contiguous() for t in tables)
+                q0, k0, grads = q_full, None, (torch.randn_like(q_full),)
             for label, fn in (("transformers", original), ("mlarope", replacements[name])):
                 forward, training = _calls(fn, q0, k0, tables, grads)
                 rows.append((
@@ -91,15 +99,19 @@ def family_rows(seq: int, calls: int, dev) -> list[tuple]:
 
 
 def _calls(fn, q0, k0, tables, grads):
-    """``(forward without grad, forward + backward)`` of a rotary function on these tensors."""
+    """``(forward without grad, forward + backward)`` of a rotary function on these tensors
+    (``k0`` None: a one-tensor function, ``fn(x, cos, sin)``)."""
+
+    xs = (q0,) if k0 is None else (q0, k0)
 
     def forward():
         with torch.no_grad():
-            fn(q0, k0, *tables)
+            fn(*xs, *tables)
 
     def training():
-        q, k = q0.detach().requires_grad_(True), k0.detach().requires_grad_(True)
-        torch.autograd.backward(fn(q, k, *tables), grads)
+        leaves = [x.detach().requires_grad_(True) for x in xs]
+        out = fn(*leaves, *tables)
+        torch.autograd.backward(out if isinstance(out, tuple) else (out,), grads)
 
     return forward, training
 

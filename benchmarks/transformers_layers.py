@@ -194,8 +194,8 @@ def build(family: str, device: torch.device, seq: int, tiny: bool):
         return got
 
     kwargs32 = capture(model, torch.float32)
-    exact = copy.deepcopy(attention)
     kwargs16 = capture(model, torch.bfloat16)
+    exact = copy.deepcopy(attention).float()  # the same bf16-valued weights, in fp32
     return config, attention, exact, kwargs32, kwargs16, implementation
 
 

@@ -1,6 +1,7 @@
-"""Launch plans: repeated eager calls skip straight to the kernel launch (the decode path).
+"""Launch plans: repeated eager calls skip straight to the kernel launch (the decode path),
+and repeated calls that need autograd replay theirs in one autograd node (``GradPlan``).
 
-An eager call (no autograd, not compiling, no validation) whose arguments have the same
+An eager call (not compiling, no validation) whose arguments have the same
 metadata as an earlier call's makes the same launch: the same compiled kernel, grid and integer
 arguments; only the tensors' addresses differ. The first such call runs the whole pipeline
 (checks -> positions -> launcher -> kernel) while ``kernels._launch.recording()`` notes its
@@ -23,10 +24,11 @@ the very same launch. Calls under forward-mode AD never take one (a tangent is n
 The kernels see a tensor argument only through its address and dtype (every stride is an
 integer argument). A launch argument that is a view of an input with the same address (``k_pe``
 without its head dim, the tables as ``[P, R]``, broadcast ``position_ids``) is filled with that
-input; an argument that is an output is filled with the new call's output. Anything else (a
-copy, several launches such as the ``cu_seqlens`` search, no launch at all, an input of a
-tensor subclass or without storage, a layout that is not a str) gets no plan, and such calls
-always take the pipeline.
+input; an argument that is an output is filled with the new call's output. A call may make
+several launches (``apply_rope_qk``: two), each replayed in turn. Anything else (a copy, a
+launch that reads another launch's output such as the ``cu_seqlens`` search, no launch at all,
+an input of a tensor subclass or without storage, a layout that is not a str) gets no plan,
+and such calls always take the pipeline.
 """
 
 from __future__ import annotations

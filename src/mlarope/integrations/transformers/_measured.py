@@ -122,10 +122,11 @@ def off_by_default(family: str) -> str:
         return ""
     unpatched, ours = measured.rotary_4096
     bound = (unpatched - ours) / measured.step_4096[0]
+    saves = f"can save at most {bound:.1%}" if bound > 0 else "saves nothing"
     text = (
         f"off by default: its training step through mlarope measured {', '.join(misses)} in "
         f"run {RUN.split(' ')[0]}; its rotary calls take {unpatched * 1e3:.0f} -> "
         f"{ours * 1e3:.0f} us of a {measured.step_4096[0]:.1f} ms step at sequence 4096, so the "
-        f"patch can save at most {bound:.1%}"
+        f"patch {saves}"
     )
     return text + (f" ({measured.note})" if measured.note else "")
