@@ -54,6 +54,9 @@ MEASURED: dict[str, Measured] = {
     "deepseek_v3": Measured(
         step_4096=(16.52, 15.68), step_128=(4.15, 3.94), rotary_4096=(1.059, 0.552)
     ),
+    "deepseek_v4": Measured(  # run G5, the same command with --families deepseek_v4
+        step_4096=(71.60, 67.54), step_128=(9.53, 7.98), rotary_4096=(5.572, 1.351)
+    ),
     "deepseek_v32": Measured(
         step_4096=(45.84, 45.02),
         step_128=(5.41, 5.25),
