@@ -52,3 +52,56 @@ def interpreter_fma_rounds_once() -> bool:
         fma_kernel[(1,)](x, out)
         _FMA_ROUNDS_ONCE.append(float(out) != 2.0**-11)
     return _FMA_ROUNDS_ONCE[0]
+
+
+def kernels_fuse(device) -> bool:
+    """Whether the kernels' ``tl.fma`` rounds once on ``device``: always on a GPU, under Triton's
+    interpreter from 3.7 on (``interpreter_fma_rounds_once``)."""
+    return torch.device(device).type != "cpu" or interpreter_fma_rounds_once()
+
+
+def fused_multiply_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x * y + z`` rounded once to nearest even, as a fused multiply-add: the product is
+    exact in fp64 (24 + 24 bits), the sum exact as two fp64 values (Knuth's two-sum), and the
+    sum is rounded to odd at 53 bits before the rounding to fp32's 24 (a nonzero remainder sets
+    the last bit), which makes the two roundings one (Boldo and Melquiond's rounding to odd)."""
+    p = x.double() * y.double()
+    w = z.double()
+    hi = p + w
+    back = hi - p
+    lo = (p - (hi - back)) + (w - back)
+    even = (hi.view(torch.int64) & 1) == 0
+    toward_lo = torch.nextafter(hi, torch.where(lo > 0, torch.inf, -torch.inf).to(hi))
+    hi = torch.where((lo != 0) & even & hi.isfinite(), toward_lo, hi)
+    return hi.float()
+
+
+def fused_products(a, b, c_a, c_b, s_a, s_b):
+    """The kernels' rotation, ``fma(a, c_a, -(b*s_a))`` and ``fma(b, c_b, a*s_b)``, for
+    ``mlarope.reference.rotate_products`` (fp32 compute; fp64 inputs keep PyTorch's order)."""
+    if a.dtype != torch.float32:
+        return a * c_a - b * s_a, b * c_b + a * s_b
+    a, b, c_a, c_b, s_a, s_b = torch.broadcast_tensors(a, b, c_a, c_b, s_a, s_b)
+    return fused_multiply_add(a, c_a, -(b * s_a)), fused_multiply_add(b, c_b, a * s_b)
+
+
+def fused_reference(monkeypatch) -> None:
+    """Give mlarope's PyTorch reference the kernels' fused arithmetic for the rest of the test
+    (on the GPU and under a fused-fma interpreter the kernels then store its bits)."""
+    from mlarope import reference
+
+    monkeypatch.setattr(reference, "rotate_products", fused_products)
+
+
+def reference_backend(monkeypatch, device) -> None:
+    """Run mlarope's PyTorch reference for the rest of the test, on ``device``: CPU tensors with
+    ``TRITON_INTERPRET`` off (``ops.use_triton`` reads it on every call); CUDA tensors with the
+    backend choice patched, and the recorded launch plans forgotten (a plan replays kernels)."""
+    import mlarope
+    from mlarope import _plans, ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if torch.device(device).type != "cpu":
+        monkeypatch.setattr(ops, "use_triton", lambda t: False)
+        monkeypatch.setattr(_plans, "use_triton", lambda t: False)
+        mlarope.clear_launch_cache()

@@ -14,11 +14,20 @@ rounds once too): the 16-bit rounding of that value is then the only thing that 
 
 from __future__ import annotations
 
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 
 import mlarope
 from mlarope import reference
+from tests.harness import (
+    fused_multiply_add,
+    fused_reference,
+    interpreter_fma_rounds_once,
+    kernels_fuse,
+)
 
 R, H = 64, 16
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -96,6 +105,14 @@ def test_nan_rows_and_nan_results_are_canonical(device, dtype, reference_backend
     k, _ = mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=16, **kw)
     k_ref, _ = reference.apply_rope_kv(kv.cpu(), k_pe.cpu(), cos.cpu(), sin.cpu(), k_dim=16,
                                        **ref_kw)  # fmt: skip
+    # A finite rotated value is one fused multiply-add where the kernels' fma rounds once (the
+    # GPU, Triton 3.7+'s interpreter) and a product and a sum where it rounds twice (Triton
+    # 3.6's interpreter): the reference computes the same arithmetic, and then every bit agrees.
+    with pytest.MonkeyPatch.context() as m:
+        if kernels_fuse(device):
+            fused_reference(m)
+        k_ref, _ = reference.apply_rope_kv(kv.cpu(), k_pe.cpu(), cos.cpu(), sin.cpu(), k_dim=16,
+                                           **ref_kw)  # fmt: skip
     assert_same_bits(k, k_ref, f"{dtype} key/value op")
 
     kv.requires_grad_(True)
@@ -164,3 +181,56 @@ def test_serving_nan_rope_values_are_canonical(device, cache_format, reference_b
     q_pe = torch.randn(3, 2, R, device=device).to(torch.bfloat16)
     out = query(q_nope, q_pe, cos, sin, positions)
     assert_same_bits(out, reference_backend(query, q_nope, q_pe, cos, sin, positions), "query")
+
+
+def correctly_rounded_fma(x: float, y: float, z: float) -> float:
+    """``x * y + z`` in exact rational arithmetic, rounded to the nearest fp32 (ties to even)."""
+    exact = Fraction(x) * Fraction(y) + Fraction(z)
+    guess = np.float32(float(exact))
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess,
+                  np.nextafter(guess, np.float32(np.inf))]  # fmt: skip
+    return float(min(candidates, key=lambda c: (abs(Fraction(float(c)) - exact),
+                                                int(np.array(c).view(np.int32)) & 1)))  # fmt: skip
+
+
+def test_the_fused_emulation_rounds_once():
+    """The tests' fp32 fused multiply-add (``tests.harness.fused_multiply_add``) is the correctly
+    rounded ``x * y + z``: random operands, products cancelling their addend (the remainder
+    decides), and near-ties, where a product rounded first (or a sum rounded to fp64 first)
+    lands on the other side, and sums that need more than fp64's 53 bits."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3000, generator=g) * torch.exp2(torch.randint(-20, 20, (3000,), generator=g))
+    y = torch.randn(3000, generator=g)
+    z = torch.randn(3000, generator=g) * torch.exp2(torch.randint(-40, 20, (3000,), generator=g))
+    z[1000:2000] = -(x[1000:2000] * y[1000:2000])  # cancellation: the product's rounding error
+    ulp = torch.exp2(torch.randint(-30, -24, (1000,), generator=g).float())
+    z[2000:] = -(x[2000:] * y[2000:]) + ulp  # the error plus a small offset: near-ties
+    x[0], y[0], z[0] = 1.0 + 2.0**-12, 1.0 + 2.0**-12, -1.0  # x*x - 1 = 2^-11 + 2^-24
+    # Exactly 2^40 + 2^-16 past an fp32 midpoint (2^30 + 2^6, scaled): the fp64 sum rounds to
+    # the midpoint itself, and a second rounding then goes to even, the wrong way.
+    scale = torch.exp2(torch.arange(-60, 40, dtype=torch.float32))
+    sign = torch.where(torch.arange(100) % 2 == 0, 1.0, -1.0)
+    x[1:101] = -8 * (1 + 2.0**-23) * scale * sign
+    y[1:101] = 8 * (1 - 2.0**-23)
+    z[1:101] = (2.0**30 + 2.0**7) * scale * sign
+    got = fused_multiply_add(x, y, z)
+    operands = zip(x.tolist(), y.tolist(), z.tolist(), strict=True)
+    want = torch.tensor([correctly_rounded_fma(*t) for t in operands])
+    assert float(got[0]) == 2.0**-11 + 2.0**-24
+    unfused = x * y + z
+    assert (unfused != want).sum() > 100, "the operands do not tell one rounding from two"
+    assert_same_bits(got, want, "fused_multiply_add")
+    if interpreter_fma_rounds_once():  # the premise: this interpreter's tl.fma rounds so too
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def fma_kernel(x_ptr, y_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
+            i = tl.arange(0, BLOCK)
+            m = i < n
+            v = tl.fma(tl.load(x_ptr + i, m), tl.load(y_ptr + i, m), tl.load(z_ptr + i, m))
+            tl.store(out_ptr + i, v, m)
+
+        out = torch.empty_like(x)
+        fma_kernel[(1,)](x, y, z, out, x.numel(), BLOCK=4096)
+        assert_same_bits(out, want, "the interpreter's tl.fma")

@@ -31,6 +31,22 @@ def gather_tables(
     return cos.to(dtype)[index], sin.to(dtype)[index], in_range
 
 
+def rotate_products(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c_a: torch.Tensor,
+    c_b: torch.Tensor,
+    s_a: torch.Tensor,
+    s_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a*c_a - b*s_a`` and ``b*c_b + a*s_b`` in PyTorch's order: each product rounded to the
+    compute dtype, then the sum. The kernels compute ``fma(a, c_a, -(b*s_a))`` and
+    ``fma(b, c_b, a*s_b)`` (one product rounded, then one rounding of the fused rest), so in fp32
+    the two differ by at most one unit of a product; one function, so that the tests can give the
+    reference the kernels' arithmetic (``tests/harness.py``, ``fused_reference``)."""
+    return a * c_a - b * s_a, b * c_b + a * s_b
+
+
 def rotate_pairs(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -66,8 +82,7 @@ def rotate_pairs(
     if inverse:
         s_a, s_b = -s_a, -s_b
     if round_to is None:
-        out_a = a * c_a - b * s_a
-        out_b = b * c_b + a * s_b
+        out_a, out_b = rotate_products(a, b, c_a, c_b, s_a, s_b)
     else:
 
         def rnd(t: torch.Tensor) -> torch.Tensor:
