@@ -240,6 +240,32 @@ def test_self_check_refuses_other_semantics(monkeypatch):
     assert integration._STATE.count == 0 and not integration._STATE.active
 
 
+def test_released_megatron_core_names_the_mla_flag_multi_latent_attention(monkeypatch):
+    """megatron-core 0.16 (the release on PyPI) calls the MLA interleaving flag of
+    ``_apply_rotary_pos_emb_bshd`` ``multi_latent_attention``; Megatron-LM's main branch renamed
+    it ``mla_rotary_interleaved``. The self-check passes whichever the installed one takes (it
+    refused every released megatron-core with a TypeError)."""
+
+    def released(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+        return megatron_unfused(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+
+    mla, _ = install_fake_megatron(monkeypatch, unfused=released)
+    with integration.mlarope_patched():
+        assert mla.fused_apply_mla_rope_for_q is compat.fused_apply_mla_rope_for_q
+    assert mla.fused_apply_mla_rope_for_q is _q_original
+
+
+def test_self_check_refuses_an_unfused_rotation_without_the_mla_flag(monkeypatch):
+    def no_flag(t, freqs, rotary_interleaved=False, mscale=1.0):
+        return megatron_unfused(t, freqs, rotary_interleaved, mscale=mscale)
+
+    mla, _ = install_fake_megatron(monkeypatch, unfused=no_flag)
+    with pytest.raises(RuntimeError, match="takes neither mla_rotary_interleaved nor multi_lat"):
+        integration.apply_mlarope_to_megatron()
+    assert mla.fused_apply_mla_rope_for_q is _q_original
+    assert integration._STATE.count == 0
+
+
 def test_self_check_refuses_other_signatures(monkeypatch):
     """Megatron's callers pass the arguments positionally: another order is refused."""
 

@@ -129,6 +129,26 @@ def _check_signature(module: str, name: str, original: object) -> None:
         )
 
 
+# The unfused rotation's MLA interleaving flag: Megatron-LM's main branch, then the name the
+# megatron-core releases (0.16 on PyPI) still use.
+_MLA_FLAGS = ("mla_rotary_interleaved", "multi_latent_attention")
+
+
+def _mla_flag(reference: Callable) -> str:
+    try:
+        params = inspect.signature(reference).parameters
+    except (TypeError, ValueError):  # not introspectable: the current name
+        return _MLA_FLAGS[0]
+    for flag in _MLA_FLAGS:
+        if flag in params:
+            return flag
+    raise RuntimeError(
+        f"Megatron-Core's _apply_rotary_pos_emb_bshd takes neither {' nor '.join(_MLA_FLAGS)} "
+        f"(its parameters: {', '.join(params)}); the self-check cannot run it with MLA "
+        f"interleaving, so nothing was patched"
+    )
+
+
 def _probe(rounding: str) -> None:
     """The replacements against Megatron-Core's unfused MLA rotation on a small fp64 CPU probe
     (sbhd; mlarope's PyTorch backend, no kernel launch); raise RuntimeError if they disagree."""
@@ -149,10 +169,11 @@ def _probe(rounding: str) -> None:
     kv = torch.randn(seq, batch, heads, k_dim + v_dim, **f64)
     k_pe = torch.randn(seq, batch, 1, rope, **f64)
 
+    reference = rope_utils._apply_rotary_pos_emb_bshd
+    flag = _mla_flag(reference)
+
     def unfused(x: torch.Tensor) -> torch.Tensor:
-        return rope_utils._apply_rotary_pos_emb_bshd(
-            x, freqs, mla_rotary_interleaved=True, mscale=mscale
-        )
+        return reference(x, freqs, **{flag: True}, mscale=mscale)
 
     with torch.no_grad():
         try:
