@@ -234,3 +234,68 @@ def test_the_fused_emulation_rounds_once():
         out = torch.empty_like(x)
         fma_kernel[(1,)](x, y, z, out, x.numel(), BLOCK=4096)
         assert_same_bits(out, want, "the interpreter's tl.fma")
+
+
+def signed_zero_case(device, dtype):
+    """``q: [6, 1, 16 + 32]`` whose 16 rope pairs take every ``(a, b)`` of ``{+0, -0, 1, -1}``,
+    at six table rows whose cos and sin are ``(1, +0)``, ``(1, -0)``, ``(-1, +0)``, ``(+0, 1)``,
+    ``(-0, -1)``, ``(+0, -0)``: every product is exact, so each result's sign of zero is what
+    IEEE arithmetic defines."""
+    values = torch.tensor([0.0, -0.0, 1.0, -1.0])
+    a, b = values.repeat_interleave(4), values.repeat(4)
+    rope = torch.stack((a, b), -1).flatten()  # interleaved pairs
+    q = torch.cat((torch.randn(6, 1, 16), rope.expand(6, 1, 32)), -1).to(dtype).to(device)
+    cs = [(1.0, 0.0), (1.0, -0.0), (-1.0, 0.0), (0.0, 1.0), (-0.0, -1.0), (0.0, -0.0)]
+    cos = torch.tensor([c for c, _ in cs]).repeat_interleave(32).view(6, 32).to(device)
+    sin = torch.tensor([s for _, s in cs]).repeat_interleave(32).view(6, 32).to(device)
+    return q, cos, sin, torch.arange(6, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("interleaved_out", [False, True])
+def test_signed_zeros_are_the_references(device, dtype, inverse, interleaved_out, monkeypatch):
+    """The sign of a zero result, forward and backward, in both ops: the kernels negated by
+    ``0 - x`` (Triton's unary minus), which makes ``-(+0)`` ``+0``: ``-0 * 1 - 1 * (+0)`` came
+    out ``+0`` where IEEE arithmetic, and the reference, give ``-0``."""
+    q, cos, sin, ids = signed_zero_case(device, dtype)
+    kw = dict(layout="thd", position_ids=ids, interleaved_out=interleaved_out)
+    if kernels_fuse(device):
+        fused_reference(monkeypatch)
+
+    def run(q, k_pe, g):
+        out = mlarope.apply_rope_q(q, cos, sin, inverse=inverse, **kw)
+        k, _ = mlarope.apply_rope_kv(q[..., :16], k_pe, cos, sin, k_dim=8, **kw)
+        dq, dk_pe = torch.autograd.grad((out, k[..., 8:]), (q, k_pe), (g, g[..., 16:]))
+        return out, k, dq, dk_pe
+
+    k_pe = q[:, 0, 16:]
+    args = (q.detach().requires_grad_(), k_pe.detach().requires_grad_(), q.detach())
+    got = run(*args)
+    with monkeypatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "0")
+        want = run(*(t.cpu().detach().requires_grad_(t.requires_grad) for t in args))
+    for name, x, y in zip(("q", "k", "dq", "dk_pe"), got, want, strict=True):
+        assert_same_bits(x, y, f"{dtype} {name}")
+
+
+@pytest.mark.parametrize("interleaved_out", [False, True])
+def test_signed_zeros_in_the_fp8_attention_output(device, interleaved_out, monkeypatch):
+    """``rope_inverse_quant_output`` (DeepSeek-V4's attention output, never fused): a zero's
+    sign is its e4m3 code's (``0x80`` against ``0x00``); its kernel negated the sine by
+    Triton's unary minus too."""
+    from mlarope.serving import rope_inverse_quant_output
+
+    q, cos, sin, ids = signed_zero_case(device, torch.bfloat16)
+    o = torch.cat((torch.randn(6, 1, 96, device=device).to(q.dtype), q[..., 16:]), -1)
+    kw = dict(interleaved_out=interleaved_out, scale_dtype=torch.float32)
+    got = rope_inverse_quant_output(o, cos, sin, ids, **kw)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    want = rope_inverse_quant_output(o.cpu(), cos.cpu(), sin.cpu(), ids.cpu(), **kw)
+    codes, want_codes = got[0].cpu().view(torch.uint8), want[0].view(torch.uint8)
+    differ = codes != want_codes
+    assert not differ.any(), (
+        f"{int(differ.sum())} codes differ: {codes[differ][:8].tolist()} against "
+        f"{want_codes[differ][:8].tolist()}"
+    )
+    assert_same_bits(got[1], want[1], "scales")

@@ -34,7 +34,7 @@ import triton.language as tl
 from ._launch import DirectLauncher
 from ._tiles import next_power_of_2, program_tile, tile_grid
 from ._triton_compat import INTERPRETED
-from .rotation import to_f32
+from .rotation import negate, to_f32
 from .serving import e4m3_codes, native_casts, pow2_exponent
 
 BLOCK = 128  # channels per scale (DeepSeek's FP8 activation block)
@@ -171,7 +171,7 @@ def _rotated_block(o_ptr, o_row, c, x, m_row, cos_ptr, sin_ptr, table_row, out_o
     t = table_row + j + role * HALF
     cos = to_f32(tl.load(cos_ptr + t, mask=m, other=1.0))
     sin = to_f32(tl.load(sin_ptr + t, mask=m, other=0.0))
-    rotated = _product(x_own, cos) + _product(x_partner, tl.where(role == 0, sin, -sin))
+    rotated = _product(x_own, cos) + _product(x_partner, tl.where(role == 0, sin, negate(sin)))
     rotated = tl.where(out_of_range, float("nan"), rotated)
     return tl.where(is_rope, rotated, x)
 

@@ -66,6 +66,13 @@ def load_table_halves(cos_ptr, sin_ptr, pos, use_row, stride_table, j, HALF: tl.
 
 
 @triton.jit
+def negate(x):
+    """``-x`` for fp32 ``x`` by its sign bit: Triton's unary minus is ``0 - x``, which makes
+    ``-(+0)`` ``+0`` and so loses the sign of a zero result (``-0 * 1 - 1 * (+0)`` is ``-0``)."""
+    return (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def rotate(
     a,
     b,
@@ -85,12 +92,12 @@ def rotate(
     out-of-range rows become NaN.
     """
     if TRANSPOSE:
-        s_a, s_b = -s_b, -s_a
+        s_a, s_b = negate(s_b), negate(s_a)
     if INVERSE:
-        s_a, s_b = -s_a, -s_b
+        s_a, s_b = negate(s_a), negate(s_b)
     # Explicit fused multiply-adds: the compiler may not contract differently from one launch
     # configuration to another, so results are bitwise identical across configurations.
-    out_a = tl.fma(a, c_a, -(b * s_a))
+    out_a = tl.fma(a, c_a, negate(b * s_a))
     out_b = tl.fma(b, c_b, a * s_b)
     out_a = tl.where(is_padding, a, out_a)
     out_b = tl.where(is_padding, b, out_b)
