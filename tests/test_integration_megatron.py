@@ -23,6 +23,7 @@ and keys, the tables and the RoPE calls is Megatron-Core's own code. The builder
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -253,6 +254,16 @@ def test_released_megatron_core_names_the_mla_flag_multi_latent_attention(monkey
     with integration.mlarope_patched():
         assert mla.fused_apply_mla_rope_for_q is compat.fused_apply_mla_rope_for_q
     assert mla.fused_apply_mla_rope_for_q is _q_original
+
+
+def test_self_check_passes_the_current_flag_name_through_a_keyword_wrapper(monkeypatch):
+    @functools.wraps(megatron_unfused, assigned=())  # no __wrapped__: (*args, **kwargs)
+    def wrapper(*args, **kwargs):
+        return megatron_unfused(*args, **kwargs)
+
+    mla, _ = install_fake_megatron(monkeypatch, unfused=wrapper)
+    with integration.mlarope_patched():
+        assert mla.fused_apply_mla_rope_for_q is compat.fused_apply_mla_rope_for_q
 
 
 def test_self_check_refuses_an_unfused_rotation_without_the_mla_flag(monkeypatch):

@@ -142,6 +142,8 @@ def _mla_flag(reference: Callable) -> str:
     for flag in _MLA_FLAGS:
         if flag in params:
             return flag
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return _MLA_FLAGS[0]  # a wrapper that forwards keywords: the current name
     raise RuntimeError(
         f"Megatron-Core's _apply_rotary_pos_emb_bshd takes neither {' nor '.join(_MLA_FLAGS)} "
         f"(its parameters: {', '.join(params)}); the self-check cannot run it with MLA "
