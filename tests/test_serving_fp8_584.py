@@ -26,7 +26,8 @@ import torch
 
 # Imported before a test sets TRITON_INTERPRET=0 for the PyTorch backend: Triton decides at a
 # kernel's import whether it runs interpreted.
-import mlarope.kernels.serving  # noqa: F401
+import mlarope
+import mlarope.kernels.serving
 from mlarope import serving
 from mlarope.serving import reference as ref
 from tests.serving_support import (
@@ -237,3 +238,36 @@ def test_fp32_latents_where_flashmlas_log2_rounds_down():
     ours = ref.pow2_tile_scales(x.reshape(1, 7, 64))[0, 0]
     assert float(flashmla) == 2.0**-5 and float(ours) == 2.0**-4
     assert float(amax) / float(ours) <= 448.0 < float(amax) / float(flashmla)
+
+
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+def test_fp8_584_strides_no_address_depends_on(device, backend, monkeypatch):
+    """An entry stride with one entry a block, and a block stride with one block, are strides no
+    byte's address depends on, and the checks let them be anything: an odd one broke the
+    kernels' int16 view of the cache (block size 1: every call; one block: the plan's replay,
+    from the second call on). Both backends, three calls each, write FlashMLA's bytes."""
+    if backend == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cos, sin = mlarope.YarnConfig(dim=64).cos_sin(64, device=device)
+    g = torch.Generator().manual_seed(5)
+    kv_c = torch.randn(2, 448, generator=g).to(torch.bfloat16).to(device)
+    k_pe = torch.randn(2, 64, generator=g).to(torch.bfloat16).to(device)
+    pos = torch.tensor([1, 2], device=device)
+    layouts = [  # (raw bytes, shape, strides, slots)
+        ((2, 1152), (2, 1, 1, 584), (1152, 7, 7, 1), [0, 1]),  # block size 1, odd entry stride
+        ((1, 2944), (1, 5, 1, 584), (2921, 584, 584, 1), [0, 4]),  # one block, odd block stride
+    ]
+    for raw_shape, shape, strides, slots in layouts:
+        raw = torch.zeros(raw_shape, dtype=torch.uint8, device=device)
+        cache = raw.as_strided(shape, strides)
+        want = torch.zeros(raw_shape, dtype=torch.uint8)
+        ref.append_kv_cache(kv_c.cpu(), k_pe.cpu(), cos.cpu(), sin.cpu(), pos.cpu(),
+                            want.as_strided(shape, strides), None, torch.tensor(slots),
+                            cache_format="fp8_584", kv_scale=None, interleaved_in=True,
+                            interleaved_out=True)  # fmt: skip
+        for _ in range(3):
+            raw.zero_()
+            serving.rope_append_kv_cache(kv_c, k_pe, cos, sin, pos, cache,
+                                         torch.tensor(slots, device=device),
+                                         cache_format="fp8_584")  # fmt: skip
+            assert torch.equal(raw.cpu(), want), (shape, strides)

@@ -565,3 +565,19 @@ def test_every_launch_configuration_writes_the_same_bytes(device):
         results.append((out.cpu(), scale.cpu()))
     for out, scale in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(scale, results[0][1])
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.uint8, torch.int32])
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+def test_no_tokens(device, backend, scale_dtype, monkeypatch):
+    """An empty batch gives empty codes and scales of the grouped shape on both backends (the
+    reference's reshape could not infer a width from zero elements)."""
+    if backend == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cos, sin = random_tables(8, 64, torch.float32, device)
+    o = torch.empty(0, 4, 512, dtype=torch.bfloat16, device=device)
+    positions = torch.empty(0, dtype=torch.int64, device=device)
+    for call in (serving.rope_inverse_quant_output, ref.rope_inverse_quant_output):
+        out, scale = call(o, cos, sin, positions, groups=2, scale_dtype=scale_dtype)
+        blocks = 2 if scale_dtype == torch.int32 else 8  # four UE8M0 bytes an int32
+        assert out.shape == (0, 2, 1024) and scale.shape == (0, 2, blocks), call

@@ -102,10 +102,16 @@ class Plan:
 
 
 def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A view of ``t``'s memory as ``dtype`` (the kernels read only the address and dtype)."""
-    if t.dim() == 4:  # an fp8_656 cache [num_blocks, block_size, 1, 656]
+    """``t``'s address as ``dtype`` (the kernels read only the address and dtype): a view of
+    ``t``, or of its first element where a stride no address depends on is odd (an fp8_584
+    cache's single block, or its one entry a block), which a wider dtype cannot view."""
+    if t.dim() == 4:  # an fp8_656 or fp8_584 cache [num_blocks, block_size, 1, bytes]
         t = t.squeeze(2)
-    return t.view(dtype)
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        width = max(1, torch.empty((), dtype=dtype).element_size() // t.element_size())
+        return t.as_strided((width,), (1,)).view(dtype)
 
 
 def _overlap(addresses: list[int], apart: tuple) -> bool:

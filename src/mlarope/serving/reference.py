@@ -213,15 +213,16 @@ def fp8_656_records(cache: torch.Tensor) -> torch.Tensor:
 
 def fp8_584_bytes(cache: torch.Tensor) -> torch.Tensor:
     """A DeepSeek-V4 FP8 cache (``[num_blocks, block_size, 584]`` or ``[..., 1, 584]``, blocks
-    a multiple of 576 bytes apart) as ``uint8`` ``[num_blocks, block_size, 584]`` (a view; a
-    single block's stride is set to ``block_size * 584``, which no address depends on, so that
-    an integer view of it can be made)."""
+    a multiple of 576 bytes apart) as ``uint8`` ``[num_blocks, block_size, 584]`` with strides
+    ``(block stride, 584, 1)`` (a view). The entry stride is 584 where the checks require it and
+    free, as a single block's stride is, where no address depends on it (one entry a block);
+    both are set so that an integer view of the cache can be made (an odd one could not)."""
     if cache.dim() == 4:
         cache = cache.squeeze(2)
     codes = _as_codes(cache)
-    if codes.shape[0] == 1:
-        codes = codes.as_strided(codes.shape, (codes.shape[1] * FP8_584_BYTES, *codes.stride()[1:]))
-    return codes
+    n_blocks, block_size = codes.shape[:2]
+    block_stride = block_size * FP8_584_BYTES if n_blocks == 1 else codes.stride(0)
+    return codes.as_strided(codes.shape, (block_stride, FP8_584_BYTES, 1))
 
 
 def fp8_584_rows(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -533,12 +534,14 @@ def inverse_quant_output(
     x = x.reshape(n_tokens, n_heads, head_dim // OUTPUT_BLOCK, OUTPUT_BLOCK)
     exponent = ue8m0_block_exponents(x)
     inverse = ((254 - exponent) << 23).view(torch.float32)
-    codes = e4m3_encode(x * inverse.unsqueeze(-1)).reshape(n_tokens, groups, -1)
-    exponent = exponent.reshape(n_tokens, groups, -1)
+    width = n_heads // groups * head_dim  # given, not inferred: a batch may be empty
+    codes = e4m3_encode(x * inverse.unsqueeze(-1)).reshape(n_tokens, groups, width)
+    exponent = exponent.reshape(n_tokens, groups, width // OUTPUT_BLOCK)
     if scale_dtype == torch.float32:
         scales = (exponent << 23).view(torch.float32)
     elif scale_dtype == torch.int32:
-        scales = exponent.to(torch.uint8).reshape(n_tokens, groups, -1, 4).view(torch.int32)
+        scales = exponent.to(torch.uint8).reshape(n_tokens, groups, width // 512, 4)
+        scales = scales.view(torch.int32)
         scales = scales.squeeze(-1)
     else:
         scales = exponent.to(torch.uint8).view(scale_dtype)
