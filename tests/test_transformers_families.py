@@ -62,7 +62,8 @@ for the one tensor of a one-tensor function such as DeepSeek-V4's, whose calls r
 kv head, every compressor's entries and, with ``-sin``, the attention output).
 
 DeepSeek-V4 computes its rotation in fp32 and rounds once to ``x.dtype``, as mlarope does: its
-patched runs are bit for bit its unpatched ones on the CPU (the bf16 bounds above hold a fortiori).
+patched forward is bit for bit its unpatched one on the CPU (its bf16 backward is not:
+transformers' rounds each branch and their sum to bf16, mlarope's once).
 A composite model type (``kimi_k25``: a multimodal config whose ``text_config`` is a DeepSeek-V3
 config) is built as the composite, with a tiny text config of the family that serves it.
 """
@@ -1292,6 +1293,29 @@ def test_kept_tables_are_released_with_their_sources():
     assert alive() is not None  # kept while its sources live
     del cos, sin
     assert alive() is None
+
+
+def test_kept_tables_follow_new_data_and_stay_out_of_inference_mode():
+    """Kept tables are made anew for a source given new data through ``.data`` (same object,
+    same version counter: another address or dtype), and tables made under inference mode are
+    not kept (they are inference tensors: a later call with autograd could not save them).
+    Both found by review; each failed before."""
+    prepared = _rotation._Prepared()
+    cos, sin = torch.randn(2, 1, 8, 16).unbind(0)
+    for _ in range(2):
+        first = prepared.get((cos, sin), 8, "half_width")
+    cos.data = cos.data.double()
+    again = prepared.get((cos, sin), 8, "half_width")
+    assert again[0].dtype == torch.float64 and again[0] is not first[0]
+    cos.data = torch.ones(1, 8, 16)  # another address, same dtype
+    assert torch.equal(prepared.get((cos, sin), 8, "half_width")[0], torch.ones(8, 32))
+
+    cos, sin = torch.randn(2, 1, 8, 16).unbind(0)
+    with torch.inference_mode():
+        for _ in range(2):
+            _rotation._tables((cos, sin), 8, "half_width")
+    tables = _rotation._tables((cos, sin), 8, "half_width")
+    assert not tables[0].is_inference()
 
 
 @needs_v4

@@ -219,9 +219,11 @@ def _make_tables(sources: tuple, rows: int, kind: str) -> tuple:
 class _Entry:
     """Tables made ready for mlarope (:func:`_make_tables`: new tensors, not views) and what
     they were made from: weak references to the source tensors and a key of their version
-    counters (an in-place write makes them anew), the row count and the kind. When a source
-    tensor is freed the tables are dropped with it (a single attribute store, safe from the
-    thread that frees it), so a kept entry holds no memory past its model's forward."""
+    counters, addresses and dtypes (an in-place write, or new data set through ``.data``,
+    makes them anew; a write that bypasses the version counter, through ``.data`` in place or
+    numpy, is not seen, as autograd does not see it either), the row count and the kind. When
+    a source tensor is freed the tables are dropped with it (a single attribute store, safe
+    from the thread that frees it), so a kept entry holds no memory past its model's forward."""
 
     __slots__ = ("__weakref__", "key", "sources", "tables")
 
@@ -269,7 +271,7 @@ class _Prepared:
         self.kept: list[_Entry] = []
 
     def get(self, sources: tuple, rows: int, kind: str) -> tuple:
-        key = (*(t._version for t in sources), rows, kind)
+        key = (*((t._version, t.data_ptr(), t.dtype) for t in sources), rows, kind)
         self.kept = [entry for entry in self.kept if entry.tables is not None]
         for i, entry in enumerate(self.kept):
             if entry.made_from(sources, key):
@@ -297,11 +299,13 @@ def _tables(sources: tuple, rows: int, kind: str) -> tuple:
     if (
         torch.compiler.is_compiling()
         or (sources[0].is_cuda and torch.cuda.is_current_stream_capturing())
+        or torch.is_inference_mode_enabled()
         or any(t.is_inference() for t in sources)
     ):
         # Compiled, the graph makes them; inside a CUDA graph, the graph's own (a kept table
         # could be replaced, and freed, while the graph still reads it); inference tensors
-        # have no version counter to tell an in-place write by.
+        # have no version counter to tell an in-place write by, and tables made under
+        # inference mode are inference tensors, which a later call with autograd cannot save.
         return _make_tables(sources, rows, kind)
     prepared = getattr(_PREPARED, "last", None)
     if prepared is None:
