@@ -854,3 +854,15 @@ def test_patched_model_runs_under_inference_mode(device):
         again = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got, again)
+
+
+def test_the_off_by_default_reason_names_the_run_that_measured_the_family(monkeypatch):
+    """DeepSeek-V4 was measured in run G5, the other families in G4: a family's reason names its
+    own run (it named G4 for every family; found by review)."""
+    from mlarope.integrations.transformers import _measured
+
+    slower = _measured.Measured(
+        step_4096=(10.0, 10.5), step_128=(4.0, 4.2), rotary_4096=(1.0, 0.9), run="G5"
+    )
+    monkeypatch.setitem(_measured.MEASURED, "deepseek_v4", slower)
+    assert "in run G5;" in _measured.off_by_default("deepseek_v4")

@@ -24,6 +24,7 @@ class Measured:
     step_128: tuple[float, float]
     rotary_4096: tuple[float, float]  # the layer's rotary calls, forward + backward, ms
     note: str = ""  # why, where the figures alone do not say it
+    run: str = RUN.split(" ")[0]  # the run that measured it (docs/gpu_lane.md)
 
     def ratios(self) -> dict[int, float]:
         return {
@@ -54,8 +55,8 @@ MEASURED: dict[str, Measured] = {
     "deepseek_v3": Measured(
         step_4096=(16.52, 15.68), step_128=(4.15, 3.94), rotary_4096=(1.059, 0.552)
     ),
-    "deepseek_v4": Measured(  # run G5, the same command with --families deepseek_v4
-        step_4096=(71.60, 67.54), step_128=(9.53, 7.98), rotary_4096=(5.572, 1.351)
+    "deepseek_v4": Measured(  # the same command with --families deepseek_v4
+        step_4096=(71.60, 67.54), step_128=(9.53, 7.98), rotary_4096=(5.572, 1.351), run="G5"
     ),
     "deepseek_v32": Measured(
         step_4096=(45.84, 45.02),
@@ -128,7 +129,7 @@ def off_by_default(family: str) -> str:
     saves = f"can save at most {bound:.1%}" if bound > 0 else "saves nothing"
     text = (
         f"off by default: its training step through mlarope measured {', '.join(misses)} in "
-        f"run {RUN.split(' ')[0]}; its rotary calls take {unpatched * 1e3:.0f} -> "
+        f"run {measured.run}; its rotary calls take {unpatched * 1e3:.0f} -> "
         f"{ours * 1e3:.0f} us of a {measured.step_4096[0]:.1f} ms step at sequence 4096, so the "
         f"patch {saves}"
     )
