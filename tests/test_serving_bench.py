@@ -81,6 +81,7 @@ def test_cpu_smoke_kernels_and_sweep(tmp_path):
     assert ("query_fp8", "heuristic, integer e4m3 encoder") in variants
     assert ("append_fp8_584", "heuristic, integer e4m3 encoder") in variants
     assert ("output_fp8_vllm", "heuristic, integer e4m3 encoder") in variants
+    assert any(op == "output_fp8_vllm" and "whole_row=True" in v for op, v in variants)
     assert not [s for s in data["sweep"] if "error" in s]
 
 

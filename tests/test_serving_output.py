@@ -548,7 +548,8 @@ def test_cuda_graph_replays_with_new_inputs():
 
 
 def test_every_launch_configuration_writes_the_same_bytes(device):
-    """The heuristic's tile and others (one head a program up to several tokens and heads)."""
+    """The heuristic's tile and others (one head a program up to several tokens and heads), and
+    the whole-row variant (every load before the first store)."""
     if device.type != "cuda" and not _interpreted():
         pytest.skip("the kernels run on CUDA or under the interpreter")
     from mlarope.kernels.output_quant import OutputConfig, choose_output_config
@@ -557,7 +558,8 @@ def test_every_launch_configuration_writes_the_same_bytes(device):
     args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in _args().items()}
     results = []
     for config in (choose_output_config(T, H), OutputConfig(1, 1, 1), OutputConfig(2, 4, 2),
-                   OutputConfig(4, 2, 4)):  # fmt: skip
+                   OutputConfig(4, 2, 4), OutputConfig(1, 1, 1, whole_row=True),
+                   OutputConfig(2, 2, 4, whole_row=True)):  # fmt: skip
         out = torch.empty(T, 2, 2 * D, dtype=torch.uint8, device=device)
         scale = torch.empty(T, 2, 2, dtype=torch.int32, device=device)
         ops.output_with_kernel(args["o"], args["cos"], args["sin"], args["positions"], out, scale,

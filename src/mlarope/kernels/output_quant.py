@@ -104,6 +104,7 @@ def _rope_inverse_quant_kernel(
     INTERLEAVED_IN: tl.constexpr,
     INTERLEAVED_OUT: tl.constexpr,
     NATIVE: tl.constexpr,  # native_casts()
+    WHOLE_ROW: tl.constexpr,  # load each head row whole before storing (D a power of two)
 ):  # fmt: skip
     N: tl.constexpr = D - 2 * HALF  # nope channels
     NB: tl.constexpr = D // _BLOCK
@@ -131,20 +132,46 @@ def _rope_inverse_quant_kernel(
     table_row = (tl.where(m_t & in_range, pos, 0) * stride_table)[:, None, None]
     out_of_range = (~in_range)[:, None, None]
 
-    for k in tl.static_range(NB):
-        c = k * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]
+    if WHOLE_ROW:
+        # Every load of the program is issued before its first store (the compiler cannot
+        # move a later block's loads above an earlier block's stores: ``out`` might alias ``o``
+        # for all it knows), so a program waits for memory once instead of once a block.
+        c = tl.arange(0, D)[None, None, :]
         x = to_f32(tl.load(o_ptr + o_row + c, mask=m_row & (c < N), other=0.0))
-        if k == NB - 1:
-            # The rope slice, channel by channel in the output layout (no split or join of
-            # pairs): each output channel is its pair's a or b, from the input's a and b.
-            x = _rotated_block(o_ptr, o_row, c, x, m_row, cos_ptr, sin_ptr, table_row,
-                               out_of_range, N, HALF, INTERLEAVED_IN, INTERLEAVED_OUT)  # fmt: skip
-        amax = tl.max(_magnitude(x), axis=2)
+        x = tl.reshape(x, (BLOCK_T, BLOCK_H, NB, _BLOCK))
+        # The rope slice from the last block's channels only (its gathers over the whole row
+        # would be four times the predicated loads), then put in as that block.
+        c_last = (NB - 1) * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]
+        rotated = _rotated_block(o_ptr, o_row, c_last, tl.zeros_like(c_last).to(tl.float32),
+                                 m_row, cos_ptr, sin_ptr, table_row, out_of_range, N, HALF,
+                                 INTERLEAVED_IN, INTERLEAVED_OUT)  # fmt: skip
+        last = (tl.arange(0, NB) == NB - 1)[None, None, :, None]
+        rope = (tl.arange(0, _BLOCK) >= N - (NB - 1) * _BLOCK)[None, None, None, :]
+        x = tl.where(last & rope, rotated[:, :, None, :], x)
+        amax = tl.max(_magnitude(x), axis=3)
         exponent = pow2_exponent(amax, _MIN_EXPONENT)
-        inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)[:, :, None]
-        # x * (1 / s) with a power-of-two s is exactly x / s.
-        tl.store(out_ptr + out_row + c, e4m3_codes(x * inverse, NATIVE), mask=m_row)
-        _store_scale(scale_ptr, s_row, k_first + k, exponent, m_th, PACK, SCALE_FMT, stride_s_k)
+        inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)[:, :, :, None]
+        codes = tl.reshape(e4m3_codes(x * inverse, NATIVE), (BLOCK_T, BLOCK_H, D))
+        tl.store(out_ptr + out_row + c, codes, mask=m_row)
+        k = tl.arange(0, NB)[None, None, :]
+        _store_scale(scale_ptr, s_row[:, :, None], k_first[:, :, None] + k, exponent,
+                     m_th[:, :, None], PACK, SCALE_FMT, stride_s_k)  # fmt: skip
+    else:
+        for k in tl.static_range(NB):
+            c = k * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]
+            x = to_f32(tl.load(o_ptr + o_row + c, mask=m_row & (c < N), other=0.0))
+            if k == NB - 1:
+                # The rope slice, channel by channel in the output layout (no split or join of
+                # pairs): each output channel is its pair's a or b, from the input's a and b.
+                x = _rotated_block(o_ptr, o_row, c, x, m_row, cos_ptr, sin_ptr, table_row,
+                                   out_of_range, N, HALF, INTERLEAVED_IN,
+                                   INTERLEAVED_OUT)  # fmt: skip
+            amax = tl.max(_magnitude(x), axis=2)
+            exponent = pow2_exponent(amax, _MIN_EXPONENT)
+            inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)[:, :, None]
+            # x * (1 / s) with a power-of-two s is exactly x / s.
+            tl.store(out_ptr + out_row + c, e4m3_codes(x * inverse, NATIVE), mask=m_row)
+            _store_scale(scale_ptr, s_row, k_first + k, exponent, m_th, PACK, SCALE_FMT, stride_s_k)
 
 
 @triton.jit
@@ -179,11 +206,15 @@ def _rotated_block(o_ptr, o_row, c, x, m_row, cos_ptr, sin_ptr, table_row, out_o
 # ---------------------------------------------------------------------------------- launcher
 @dataclass(frozen=True)
 class OutputConfig:
-    """Tokens and heads per program, and warps; any valid one gives the same bytes."""
+    """Tokens and heads per program, and warps; any valid one gives the same bytes.
+    ``whole_row``: each head row loaded whole before any store (head dims that are a power of
+    two), where the default walks its 128-channel blocks, a load and a store each, in turn; a
+    variant for the benchmark's sweep, not yet measured (docs/perf_log.md, v14)."""
 
     block_t: int
     block_h: int
     num_warps: int
+    whole_row: bool = False
 
 
 # Head rows a program takes: 16 rows of one 128-channel block are 2,048 elements a step, 16 a
@@ -236,6 +267,8 @@ def rope_inverse_quant_launch(
     if n_tokens == 0 or n_heads == 0:
         return
     config = config or choose_output_config(n_tokens, n_heads)
+    if config.whole_row and head_dim & (head_dim - 1):
+        raise ValueError(f"whole_row needs a head dim that is a power of two, got {head_dim}")
     grid, n_head_blocks = tile_grid(n_tokens, config.block_t, n_heads, config.block_h)
     s_t, s_g, s_k = scale_bits.stride()
     if pack == 4:
@@ -247,7 +280,7 @@ def rope_inverse_quant_launch(
         o.stride(0), o.stride(1), out_codes.stride(0), out_codes.stride(1), s_t, s_g, s_k,
         positions.stride(0), cos.stride(0),
         head_dim, cos.shape[1] // 2, heads_per_group, config.block_t, config.block_h, pack,
-        scale_fmt, interleaved_in, interleaved_out, native_casts(),
+        scale_fmt, interleaved_in, interleaved_out, native_casts(), config.whole_row,
     )  # fmt: skip
 
 

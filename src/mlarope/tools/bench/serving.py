@@ -700,8 +700,15 @@ def run_sweep(
         inp = make_inputs(op, tokens, dims, device, gen, prefill=True)
         nbytes = bytes_moved(op, tokens, dims)
         if op.kind == "output":
-            # 1 to 16 heads a program, 4 to 32 elements a thread of one 128-channel block
+            # The whole-row variant first (perf_log v14: every load before the first store;
+            # 16 to 64 elements a thread of the row), then 1 to 16 heads a program, 4 to 32
+            # elements a thread of one 128-channel block
             configs = [
+                output_quant.OutputConfig(1, bh, w, whole_row=True)
+                for bh in (16, 8, 4)
+                for w in (8, 4)
+                if 16 <= bh * dims.head_dim // (32 * w) <= 64
+            ] + [
                 output_quant.OutputConfig(bt, bh, w)
                 for bt in (2, 1)
                 for bh in (16, 8, 4, 2, 1)
