@@ -791,3 +791,24 @@ def test_a_thd_tensor_without_layout_is_told_the_default(op):
     assert "the default layout" in message
     assert "layout='thd'" in message and "[T, H, D]" in message
     assert "layout='bshd'" in message and f"got shape ({T}, {H}, {width(op)})" in message
+
+
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+@pytest.mark.parametrize("source", ["position_ids", "cu_seqlens"])
+def test_negated_position_views_are_refused(source, backend, device, monkeypatch):
+    """A lazily negated index tensor (``torch._neg_view``) holds the un-negated values in
+    memory: the kernels read them, the reference the negated ones, and ``validate=True`` checked
+    the latter (found by review: the two backends rotated by different positions)."""
+    if backend == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cos, sin = mlarope.YarnConfig(dim=64).cos_sin(16, device=device)
+    q = torch.randn(6, 2, 70, device=device)
+    if source == "position_ids":
+        kw = {"position_ids": torch._neg_view(-torch.arange(6, device=device))}
+    else:
+        kw = {"cu_seqlens": torch._neg_view(torch.tensor([0, -2, -6], device=device))}
+    for validate in (False, True):
+        with pytest.raises(ValueError, match=f"{source} is a negated view"):
+            mlarope.apply_rope_q(q, cos, sin, layout="thd", validate=validate, **kw)
+        with pytest.raises(ValueError, match=f"{source} is a negated view"):
+            mlarope.apply_rope_kv(q, q[:, 0, :64], cos, sin, k_dim=6, layout="thd", **kw)

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+import mlarope
 from mlarope import serving
 from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
 from mlarope.kernels._launch import recording
@@ -839,3 +840,22 @@ def test_docs_example_runs_as_pasted(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     expected = "torch.Size([4, 16, 576]) torch.Size([2, 512]) torch.Size([2, 64])"
     assert result.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+def test_negated_views_are_refused(backend, monkeypatch):
+    """A lazily negated view's memory holds its values un-negated, which the kernels read and
+    the reference did not: the serving ops accepted them for every tensor (found by review)."""
+    if backend == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cos, sin = mlarope.YarnConfig(dim=64).cos_sin(64)
+    kv_c = torch.randn(2, 512, dtype=torch.bfloat16)
+    k_pe = torch.randn(2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+    args = dict(kv_c=kv_c, k_pe=k_pe, positions=torch.tensor([1, 2]), cache=cache,
+                slot_mapping=torch.tensor([0, 1]))  # fmt: skip
+    for name in args:
+        bad = {**args, name: torch._neg_view(args[name])}
+        with pytest.raises(ValueError, match=f"{name} is a negated view"):
+            serving.rope_append_kv_cache(cos=cos, sin=sin, cache_format="concat", **bad)
+    assert not cache.any()

@@ -51,8 +51,9 @@ def check_int(
 
 
 def check_tensor(name: str, value: object) -> torch.Tensor:
-    """A dense (strided) ``torch.Tensor``: the kernels read memory through strides, which sparse,
-    nested and other layouts do not have."""
+    """A dense (strided) ``torch.Tensor`` whose memory holds its values: the kernels read memory
+    through strides, which sparse, nested and other layouts do not have, and a lazily negated
+    view's memory holds its values un-negated."""
     if not isinstance(value, torch.Tensor):
         raise _fail_type(name, value, "a torch.Tensor")
     if value.layout is not torch.strided or value.is_nested:
@@ -61,6 +62,7 @@ def check_tensor(name: str, value: object) -> torch.Tensor:
         raise TypeError(
             f"{name} is a {kind} tensor; mlarope supports dense (strided) tensors only{hint}"
         )
+    refuse_negated_view(name, value)
     return value
 
 
@@ -74,14 +76,18 @@ def check_float_tensor(name: str, t: object) -> torch.Tensor:
         raise TypeError(
             f"{name} must be float32, float16, bfloat16 or float64, got dtype {t.dtype}"
         )
+    return t
+
+
+def refuse_negated_view(name: str, t: torch.Tensor) -> None:
+    """A lazily negated view (``torch._neg_view``) holds the values un-negated in memory, which
+    the kernels read (the reference would read, or write, the negated ones). Not checked while
+    Dynamo traces (it cannot trace ``is_neg()``)."""
     if not torch.compiler.is_compiling() and t.is_neg():
-        # A lazily negated view (torch._neg_view): its memory holds the values un-negated, and
-        # the kernels read memory. Not checked while Dynamo traces (it cannot trace is_neg()).
         raise ValueError(
             f"{name} is a negated view (is_neg() is True: its memory holds -{name}); call "
             f"{name}.resolve_neg() first"
         )
-    return t
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
