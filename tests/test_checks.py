@@ -812,3 +812,35 @@ def test_negated_position_views_are_refused(source, backend, device, monkeypatch
             mlarope.apply_rope_q(q, cos, sin, layout="thd", validate=validate, **kw)
         with pytest.raises(ValueError, match=f"{source} is a negated view"):
             mlarope.apply_rope_kv(q, q[:, 0, :64], cos, sin, k_dim=6, layout="thd", **kw)
+
+
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+@pytest.mark.parametrize("source", ["position_ids", "cu_seqlens"])
+def test_validation_in_a_fullgraph_compile(source, backend, device, monkeypatch):
+    """``validate=True`` (or ``MLAROPE_VALIDATE=1``) inside ``torch.compile(fullgraph=True)``:
+    the device-data checks are an op of the graph, which raises the eager error when the graph
+    runs (a traced branch on device data failed the trace, found by review)."""
+    if backend == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch._dynamo.reset()
+    cos, sin = mlarope.YarnConfig(dim=64).cos_sin(16, device=device)
+    q = torch.randn(6, 2, 70, device=device)
+    good = {
+        "position_ids": torch.arange(6, device=device),
+        "cu_seqlens": torch.tensor([0, 2, 6], dtype=torch.int32, device=device),
+    }[source]
+    bad = {
+        "position_ids": torch.tensor([0, 1, 2, 99, 4, 5], device=device),
+        "cu_seqlens": torch.tensor([0, 4, 2], dtype=torch.int32, device=device),
+    }[source]
+
+    def rotate(q, index):
+        return mlarope.apply_rope_q(q, cos, sin, layout="thd", validate=True, **{source: index})
+
+    compiled = torch.compile(rotate, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, good), rotate(q, good))
+    with pytest.raises(ValueError) as eager:
+        rotate(q, bad)
+    with pytest.raises(ValueError) as in_graph:
+        compiled(q, bad)
+    assert str(in_graph.value) == str(eager.value)

@@ -315,7 +315,16 @@ def env_validation() -> bool:
 
 
 def check_positions_on_device(positions: Positions, n_tokens: int, table_rows: int) -> None:
-    """The checks that read device data (one sync): positions in range, cu_seqlens well formed."""
+    """The checks that read device data (one sync): positions in range, cu_seqlens well formed.
+    While a graph is traced (``torch.compile``) they are an op of the graph, which reads the
+    data and raises when the graph runs (a traced branch on device data broke a fullgraph)."""
+    if torch.compiler.is_compiling():
+        if positions.cu_seqlens is not None or positions.position_ids is not None:
+            check_positions_op(
+                positions.cu_seqlens, positions.position_ids, positions.layout,
+                positions.cp_rank, positions.cp_size, n_tokens, table_rows,
+            )  # fmt: skip
+        return
     cu = positions.cu_seqlens
     cp = positions.cp_size
     if cu is not None:
@@ -482,3 +491,33 @@ def check_kv_call(
         cp_rank=cp_rank, cp_size=cp_size,
     )  # fmt: skip
     return kv, k_pe, k_dim, cos2d, sin2d, positions
+
+
+def _check_positions_impl(
+    cu_seqlens: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    layout: str,
+    cp_rank: int,
+    cp_size: int,
+    n_tokens: int,
+    table_rows: int,
+) -> None:
+    positions = Positions(layout, cu_seqlens, position_ids, cp_rank, cp_size)
+    check_positions_on_device(positions, n_tokens, table_rows)
+
+
+# An op that returns nothing, so registered as having a side effect (dead-code elimination
+# would drop it otherwise).
+check_positions_op = torch.library.custom_op(
+    "mlarope::check_positions", _check_positions_impl, mutates_args=()
+)
+
+
+@check_positions_op.register_fake
+def _check_positions_fake(*args) -> None:
+    return None
+
+
+(getattr(torch.fx.node, "has_side_effect", None) or torch.fx.node._side_effectful_functions.add)(
+    torch.ops.mlarope.check_positions.default
+)
