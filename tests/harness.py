@@ -97,11 +97,11 @@ def reference_backend(monkeypatch, device) -> None:
     """Run mlarope's PyTorch reference for the rest of the test, on ``device``: CPU tensors with
     ``TRITON_INTERPRET`` off (``ops.use_triton`` reads it on every call); CUDA tensors with the
     backend choice patched, and the recorded launch plans forgotten (a plan replays kernels)."""
-    import mlarope
     from mlarope import _plans, ops
+    from mlarope._launch_cache import clear_launch_cache
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     if torch.device(device).type != "cpu":
         monkeypatch.setattr(ops, "use_triton", lambda t: False)
         monkeypatch.setattr(_plans, "use_triton", lambda t: False)
-        mlarope.clear_launch_cache()
+        clear_launch_cache()

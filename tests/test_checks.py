@@ -844,3 +844,33 @@ def test_validation_in_a_fullgraph_compile(source, backend, device, monkeypatch)
     with pytest.raises(ValueError) as in_graph:
         compiled(q, bad)
     assert str(in_graph.value) == str(eager.value)
+
+
+@pytest.mark.parametrize("inplace_backward", [False, True])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_in_place_bumps_the_version_alike_on_every_backend(
+    requires_grad, inplace_backward, monkeypatch
+):
+    """An in-place rotation is one write on every backend: the reference backend bumped ``q``'s
+    version counter once more than the kernels (its copy, then the call's own bump; found by
+    review: autograd's "is at version" messages differed by backend)."""
+    from mlarope._launch_cache import clear_launch_cache
+
+    cos, sin = mlarope.YarnConfig(dim=64).cos_sin(8)
+    bumps = {}
+    for backend in ("kernels", "reference"):
+        monkeypatch.setenv("TRITON_INTERPRET", "1" if backend == "kernels" else "0")
+        clear_launch_cache()
+        q = torch.randn(4, 2, 70, requires_grad=requires_grad).clone()
+        g = torch.randn(4, 2, 70)
+        before = q._version
+        out = mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True,
+                                   inplace_backward=inplace_backward)  # fmt: skip
+        bumps[backend] = [q._version - before]
+        if requires_grad:
+            before = g._version
+            out.backward(g)
+            bumps[backend].append(g._version - before)
+    assert bumps["kernels"] == bumps["reference"], bumps
+    if not requires_grad:
+        assert bumps["kernels"] == [1]

@@ -188,8 +188,9 @@ def rope_q_(q: Tensor, call: QueryCall) -> None:
     if not use_triton(q):
         rope_dim = call.cos.shape[-1]
         rotated = rope_q(q, call)
-        with torch.no_grad():
-            q[..., q.shape[-1] - rope_dim :].copy_(rotated[..., q.shape[-1] - rope_dim :])
+        # Through .data, which bumps no version counter: as for the kernels, the caller bumps
+        # it once (a copy_ on q bumped it a second time on this backend only).
+        q.data[..., q.shape[-1] - rope_dim :].copy_(rotated[..., q.shape[-1] - rope_dim :])
         return
     _check_not_batched(q)
     from .kernels.q import rope_q_launch
