@@ -195,3 +195,36 @@ def test_version_has_one_source():
     except PackageNotFoundError:
         return
     assert installed == mlarope.__version__
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--device", "gpu"], "--device must be cuda or cpu, got 'gpu'"),
+        (["--heads", "0"], "--heads must be at least 1, got 0"),
+        (["--heads", "-2"], "--heads must be at least 1, got -2"),
+        (["--seq-lens", "5,abc"], "--seq-lens must be comma-separated integers, got '5,abc'"),
+        (["--seq-lens", "0"], "--seq-lens must be lengths of at least 1, got '0'"),
+        (["--steps", "3"], "--steps is the serving demo's option: add --serving"),
+        (["--cache-format", "split"], "--cache-format is the serving demo's option"),
+        (["--serving", "--seq-lens", "4,5"], "--seq-lens is the training demo's"),
+        (["--serving", "--steps", "0"], "--steps must be at least 1, got 0"),
+    ],
+)
+def test_demo_refuses_a_bad_command_line(argv, says, capsys):
+    """Each demo option is checked before anything runs (exit 2, one line naming it), and an
+    option of the other demo is refused: a traceback and exit 1, or a silently ignored option
+    ("--heads 0" ran 4 heads and passed), before (found by review)."""
+    assert cli.main(["demo", *argv]) == 2
+    assert says in capsys.readouterr().out
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """``mlarope info | head -1``: no BrokenPipeError traceback when the reader leaves."""
+    script = "import sys; from mlarope.tools import cli; sys.exit(cli.main(['info']))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        f"{sys.executable} -c \"{script}\" | head -c 1", shell=True, capture_output=True,
+        text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert "BrokenPipeError" not in result.stderr and "Traceback" not in result.stderr, result

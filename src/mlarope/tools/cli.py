@@ -147,7 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return importlib.import_module(COMMANDS[args.command][0]).run(args)
+    try:
+        return importlib.import_module(COMMANDS[args.command][0]).run(args)
+    except BrokenPipeError:
+        # The reader left (``mlarope info | head``): stop quietly, as a pipeline expects; the
+        # rest of the output, and Python's flush at exit, go nowhere.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated sequence lengths of the packed batch "
         "(default 1024,3072,2048,2048 on GPU, 5,16,11 on CPU)",
     )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random inputs' seed (default 0)")
     parser.add_argument(
         "--serving", action="store_true",
         help="decode steps through a paged FP8 MLA cache (mlarope.serving) instead",
@@ -80,7 +80,44 @@ def _time(fn, device, repeats=20) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line, or None: each option is checked before anything
+    runs, and an option of the other demo is refused rather than ignored."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        return f"--device must be cuda or cpu, got {device!r}"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return "--device cuda, but no CUDA device is available"
+    if args.heads is not None and args.heads < 1:
+        return f"--heads must be at least 1, got {args.heads}"
+    if args.seq_lens is not None:
+        if args.serving:
+            return "--seq-lens is the training demo's; the serving demo decodes its own prompts"
+        try:
+            lengths = [int(s) for s in args.seq_lens.split(",")]
+        except ValueError:
+            return f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}"
+        if min(lengths) < 1:
+            return f"--seq-lens must be lengths of at least 1, got {args.seq_lens!r}"
+    if not args.serving:
+        for flag, value in (("--cache-format", args.cache_format), ("--steps", args.steps)):
+            if value is not None:
+                return f"{flag} is the serving demo's option: add --serving"
+    elif args.steps is not None and args.steps < 1:
+        return f"--steps must be at least 1, got {args.steps}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    """Exit code 0 when every check passed, 1 when one failed, 2 for a bad command line."""
+    problem = _argument_problem(args)
+    if problem:
+        Console().print(f"mlarope demo: {problem}", style="red")
+        return 2
     if args.serving:
         from .serving_demo import run as run_serving
 

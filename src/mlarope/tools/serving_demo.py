@@ -27,23 +27,27 @@ from ._console import Console, Table
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--cache-format", default="fp8_656", choices=("fp8_656", "concat", "split"),
-        help="serving demo: the cache format (concat and split are FP8 with a per-tensor scale)",
+        "--cache-format", default=None, choices=("fp8_656", "concat", "split"),
+        help="serving demo: the cache format (default fp8_656; concat and split are FP8 with a "
+        "per-tensor scale)",
     )  # fmt: skip
-    parser.add_argument("--steps", type=int, default=4, help="serving demo: decode steps")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="serving demo: decode steps (default 4)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
-    fmt = args.cache_format
+    fmt = args.cache_format or "fp8_656"
+    steps = args.steps or 4
     heads = args.heads or (16 if on_gpu else 2)
     nope, v_dim, latent, rope = (128, 128, 512, 64) if on_gpu else (32, 32, 512, 64)
     prompts = [37, 64, 5] if on_gpu else [6, 3]
     block_size, kv_scale = 16, 0.05
     cfg = mlarope.YarnConfig.deepseek_v3()
-    max_len = max(prompts) + args.steps
+    max_len = max(prompts) + steps
     cos, sin = cfg.cos_sin(max_len, device=device)
     sigma = cfg.softmax_scale(nope + rope)
     gen = torch.Generator().manual_seed(args.seed)
@@ -52,11 +56,11 @@ def run(args: argparse.Namespace) -> int:
         return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(device)
 
     w_uv = torch.randn(heads, v_dim, latent, generator=gen, dtype=torch.float64) / latent**0.5
-    n_blocks = sum(-(-(p + args.steps) // block_size) for p in prompts) + 2
+    n_blocks = sum(-(-(p + steps) // block_size) for p in prompts) + 2
     block_ids = torch.randperm(n_blocks, generator=gen).tolist()
     tables, cursor = [], 0  # each sequence's pages
     for p in prompts:
-        need = -(-(p + args.steps) // block_size)
+        need = -(-(p + steps) // block_size)
         tables.append(block_ids[cursor : cursor + need])
         cursor += need
 
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         backend += " under Triton's interpreter"
     console.print(
         f"mlarope serving demo: DeepSeek-V3-shaped MLA, {heads} heads, L={latent} R={rope}, "
-        f"{len(prompts)} sequences (prompts {prompts}), {args.steps} decode steps, "
+        f"{len(prompts)} sequences (prompts {prompts}), {steps} decode steps, "
         f"{fmt} cache ({n_blocks} pages of {block_size}), {device} ({backend})",
         style="bold",
     )
@@ -115,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("step", "cache bytes", "max |o - o_ref|", "max |o - o_fp64| / max |o|", "ok"):
         table.add_column(name, justify="left" if name == "ok" else "right")
     ok_all = True
-    for step in range(args.steps):
+    for step in range(steps):
         n = len(prompts)
         kv_c, k_pe = rand(n, latent), rand(n, rope)
         q_lat, q_pe = rand(n, heads, latent, scale=0.2), rand(n, heads, rope)
