@@ -50,7 +50,7 @@ For each case:
   then ``--rounds`` alternating blocks of ``--iters`` iterations of each implementation, the
   median per implementation, in one process.
 
-Targets, issue #23's for the transformers families applied to the patch: the training step
+Targets, the transformers families' (docs/transformers.md) applied to the patch: the training step
 through mlarope at <= 0.98x Megatron's fused step at 4,096 tokens and more, and <= 1.00x in the
 host-bound case (128 tokens). They are printed (PASS / MISS), not enforced.
 

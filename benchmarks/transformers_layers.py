@@ -22,7 +22,7 @@ download, random weights), bf16 on one device, batch 1, sdpa attention where the
   layer's bf16 noise, of the same size (mlarope rounds the rotation once, transformers three
   times); a wrong rotation puts the patched run O(1) away.
 
-Targets (issue #23): the training step through mlarope at <= 0.98x unpatched at sequence 4096
+Targets (never slower): the training step through mlarope at <= 0.98x unpatched at sequence 4096
 and <= 1.00x at 128. Prints a markdown table (and writes it to ``--out``); exit status 1 when a
 check fails or a family cannot be built.
 

@@ -1,7 +1,7 @@
 """Which families the patch is worth it for, by measurement: the families ``apply_mlarope_to_all``
 leaves unpatched by default, each with the figures that put it there.
 
-The rule (issue #23, docs/transformers.md, "Worth it"): one attention layer at the family's own
+The rule (docs/transformers.md, "Worth it"): one attention layer at the family's own
 config on the H200 (``benchmarks/transformers_layers.py``), its training step through mlarope at
 most 0.98x unpatched at sequence 4096 and at most 1.00x at sequence 128. A family that misses
 either in the recorded run is off by default; ``apply_mlarope(name)`` or ``(model)`` still
