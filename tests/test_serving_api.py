@@ -859,3 +859,42 @@ def test_negated_views_are_refused(backend, monkeypatch):
         with pytest.raises(ValueError, match=f"{name} is a negated view"):
             serving.rope_append_kv_cache(cos=cos, sin=sin, cache_format="concat", **bad)
     assert not cache.any()
+
+
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+def test_validation_in_a_fullgraph_compile(backend, monkeypatch):
+    """``validate=True`` inside ``torch.compile(fullgraph=True)``: the serving ops' device-data
+    checks are an op of the graph, which raises the eager error when the graph runs (a traced
+    branch on the slots failed every trace, as the core ops' did; found by review)."""
+    if backend == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch._dynamo.reset()
+    cos, sin = mlarope.YarnConfig(dim=64).cos_sin(64)
+    kv_c = torch.randn(2, 512, dtype=torch.bfloat16)
+    k_pe = torch.randn(2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+    q = torch.randn(2, 2, 512, dtype=torch.bfloat16), torch.randn(2, 2, 64, dtype=torch.bfloat16)
+    o = torch.randn(2, 2, 512, dtype=torch.bfloat16)
+
+    def append(positions, slots):
+        serving.rope_append_kv_cache(kv_c, k_pe, cos, sin, positions, cache, slots,
+                                     cache_format="concat", validate=True)  # fmt: skip
+
+    def query(positions, slots):
+        return serving.rope_decode_query(*q, cos, sin, positions, validate=True)
+
+    def output(positions, slots):
+        return serving.rope_inverse_quant_output(o, cos, sin, positions, validate=True)
+
+    good, bad_position = torch.tensor([1, 2]), torch.tensor([1, 64])
+    slots, repeated = torch.tensor([0, 1]), torch.tensor([0, 0])
+    cases = [(append, bad_position, slots), (append, good, repeated),
+             (query, bad_position, slots), (output, bad_position, slots)]  # fmt: skip
+    for op, positions, op_slots in cases:
+        compiled = torch.compile(op, fullgraph=True, backend="aot_eager")
+        compiled(good, slots)
+        with pytest.raises(ValueError) as eager:
+            op(positions, op_slots)
+        with pytest.raises(ValueError) as in_graph:
+            compiled(positions, op_slots)
+        assert str(in_graph.value) == str(eager.value), op.__name__

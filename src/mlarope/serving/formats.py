@@ -452,11 +452,47 @@ def validate_append_on_device(call: AppendCall) -> None:
     cache = call.cache
     if call.cache_format in ("fp8_656", "fp8_584") and cache.dim() == 4:
         cache = cache.squeeze(2)
-    n_blocks, block_size = cache.shape[0], cache.shape[1]
+    validate_on_device(
+        call.positions, call.cos.shape[0], call.slot_mapping, cache.shape[0], cache.shape[1],
+        call.scale, "kv_scale",
+    )  # fmt: skip
+
+
+def validate_on_device(
+    positions: torch.Tensor,
+    table_rows: int,
+    slots: torch.Tensor | None = None,
+    n_blocks: int = 0,
+    block_size: int = 0,
+    scale: torch.Tensor | None = None,
+    scale_name: str = "",
+) -> None:
+    """The serving ops' checks of device data (one sync): with ``slots``, each in the cache of
+    ``n_blocks x block_size`` entries or -1, and distinct, and the positions of the tokens they
+    write in the table; without, every position in the table; a tensor ``scale`` finite,
+    positive and normal. While ``torch.compile`` traces they are an op of the graph
+    (``serving.ops.validate_on_device_op``), which reads the data and raises when the graph
+    runs (a traced branch on device data broke a fullgraph)."""
+    if torch.compiler.is_compiling():
+        from .ops import validate_on_device_op
+
+        validate_on_device_op(positions, table_rows, slots, n_blocks, block_size, scale, scale_name)
+        return
+    if slots is None:
+        pos = positions.detach().to(torch.int64)
+        bad = (pos < 0) | (pos >= table_rows)
+        if bool(bad.any()):
+            t = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"positions[{t}] = {int(pos[t])} is outside the table [0, {table_rows}) "
+                f"(cos.shape[0] = {table_rows})"
+            )
+        _validate_scale(scale_name, scale)
+        return
     capacity = n_blocks * block_size
-    slots = call.slot_mapping.detach().cpu().tolist()
-    positions = call.positions.detach().cpu().tolist()
-    rows = call.cos.shape[0]
+    rows = table_rows
+    slots = slots.detach().cpu().tolist()
+    positions = positions.detach().cpu().tolist()
     seen: dict[int, int] = {}
     for t, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
         if slot == -1:
@@ -476,7 +512,7 @@ def validate_append_on_device(call: AppendCall) -> None:
             raise ValueError(
                 f"positions[{t}] = {pos} is outside the table [0, {rows}) (cos.shape[0] = {rows})"
             )
-    _validate_scale("kv_scale", call.scale)
+    _validate_scale(scale_name, scale)
 
 
 def _validate_scale(name: str, scale: torch.Tensor | None) -> None:
@@ -566,16 +602,7 @@ def check_query_call(
 
 def validate_query_on_device(call: QueryCall) -> None:
     """Positions in the table and a tensor scale's value (one sync)."""
-    rows = call.cos.shape[0]
-    pos = call.positions.detach().to(torch.int64)
-    bad = (pos < 0) | (pos >= rows)
-    if bool(bad.any()):
-        t = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"positions[{t}] = {int(pos[t])} is outside the table [0, {rows}) (cos.shape[0] = "
-            f"{rows})"
-        )
-    _validate_scale("q_scale", call.scale)
+    validate_on_device(call.positions, call.cos.shape[0], scale=call.scale, scale_name="q_scale")
 
 
 # ------------------------------------------------------------------------------- the reader

@@ -18,6 +18,7 @@ from torch import Tensor
 from .._memory import refuse_shared, refuse_written_overlap
 from ..ops import _same_table_strides, use_triton
 from . import reference
+from .formats import validate_on_device as formats_validate_on_device
 
 
 def rope_append_kv_cache_impl(
@@ -246,6 +247,20 @@ _keep = (
     getattr(torch.fx.node, "has_side_effect", None) or torch.fx.node._side_effectful_functions.add
 )
 _keep(torch.ops.mlarope.refuse_shared.default)
+
+# The serving ops' device-data checks inside a compiled graph (``formats.validate_on_device``
+# puts them there while tracing): they read the data and raise when the graph runs.
+validate_on_device_op = torch.library.custom_op(
+    "mlarope::serving_validate_on_device", formats_validate_on_device, mutates_args=()
+)
+
+
+@validate_on_device_op.register_fake
+def _validate_on_device_fake(*args) -> None:
+    return None
+
+
+_keep(torch.ops.mlarope.serving_validate_on_device.default)
 
 rope_append_kv_cache_op = torch.library.custom_op(
     "mlarope::rope_append_kv_cache", rope_append_kv_cache_impl, mutates_args=("cache", "kpe_cache")

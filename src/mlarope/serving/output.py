@@ -32,6 +32,7 @@ from .formats import (
     _check_input,
     _check_not_differentiated,
     _check_written,
+    validate_on_device,
 )
 from .reference import OUTPUT_BLOCK, OUTPUT_SCALE_DTYPES, output_scale_shape
 
@@ -173,12 +174,4 @@ def check_output_call(
 
 def validate_output_on_device(call: OutputCall) -> None:
     """Positions in the table (one sync)."""
-    rows = call.cos.shape[0]
-    pos = call.positions.detach().to(torch.int64)
-    bad = (pos < 0) | (pos >= rows)
-    if bool(bad.any()):
-        t = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"positions[{t}] = {int(pos[t])} is outside the table [0, {rows}) (cos.shape[0] = "
-            f"{rows})"
-        )
+    validate_on_device(call.positions, call.cos.shape[0])
