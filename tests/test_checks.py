@@ -874,3 +874,24 @@ def test_in_place_bumps_the_version_alike_on_every_backend(
     assert bumps["kernels"] == bumps["reference"], bumps
     if not requires_grad:
         assert bumps["kernels"] == [1]
+
+
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+@pytest.mark.parametrize("view", [False, True])
+def test_in_place_on_a_leaf_that_requires_grad_writes_nothing(view, backend, monkeypatch):
+    """autograd forbids writing a leaf that requires grad (or a view of one) in place: the call
+    raises before anything is written, as PyTorch's in-place ops do (the kernels wrote, then
+    mark_dirty raised; found by review), also when repeated (no plan is recorded)."""
+    if backend == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cos, sin = mlarope.YarnConfig(dim=64).cos_sin(8)
+    leaf = torch.randn(4, 2, 70, requires_grad=True)
+    before = leaf.detach().clone()
+    q = leaf[:, :1] if view else leaf
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="q is a leaf Variable that requires grad"):
+            mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
+        assert torch.equal(leaf.detach(), before)
+    with torch.no_grad():  # outside autograd it is an ordinary tensor
+        mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
+    assert not torch.equal(leaf.detach(), before)

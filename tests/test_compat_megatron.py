@@ -668,6 +668,29 @@ def test_inplace_on_grad_leaf_compiled(device):
         assert torch.equal(eager, compiled)
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_inplace_on_a_non_leaf_compiled(backend, device):
+    """The usual Megatron case, an activation (not a leaf) that requires grad, rotated in place
+    inside ``torch.compile(fullgraph=True)``: the eager values and gradient (the check for a
+    view of a leaf called ``_is_view()``, which Dynamo cannot trace; found by review)."""
+    torch._dynamo.reset()
+    cos, sin = make_tables(torch.float32, device, seed=44)
+    x0 = randn(S, B, H, N + R, dtype=torch.float32, seed=45, device=device)
+    g = randn(S, B, H, N + R, dtype=torch.float32, seed=46, device=device)
+
+    def rotate(t):
+        return mm.fused_mla_rope_inplace(t * 1, cos, sin, N, R)
+
+    results = []
+    for fn in (rotate, torch.compile(rotate, fullgraph=True, backend=backend)):
+        x = x0.clone().requires_grad_()
+        out = fn(x)
+        out.backward(g)
+        results.append((out.detach(), x.grad))
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
+
+
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 def test_out_of_place_equals_in_place_bitwise(layout, device):
     """Megatron's test_out_of_place_inverse_rope_preserves_upstream_saved_output compares the

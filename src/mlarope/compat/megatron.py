@@ -274,19 +274,11 @@ class _LeafAlias(torch.autograd.Function):
         return grad
 
 
-def _autograd_refuses_in_place(t: torch.Tensor) -> bool:
-    """Whether autograd forbids writing ``t`` in place: a leaf that requires grad, or a view of
-    one (``leaf[..., :]``, ``leaf.view(...)``)."""
-    if not (t.requires_grad and torch.is_grad_enabled()):
-        return False
-    return t.is_leaf or (t._is_view() and t._base.is_leaf)
-
-
 def _rope_q(
     fn: str, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool, kwargs: dict
 ) -> torch.Tensor:
     with _from(fn, "apply_rope_q", "its q is t, its cu_seqlens is cu_seqlens_q"):
-        if inplace and _autograd_refuses_in_place(t):
+        if inplace and _checks.autograd_refuses_in_place(t):
             if torch.compiler.is_compiling():
                 # Dynamo loses the alias's autograd edge: rotate out of place, write the values
                 # back into the leaf outside autograd (its version counter moves), and return
