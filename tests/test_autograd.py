@@ -20,6 +20,7 @@ whose backward is ``R`` again; a tangent goes through ``R`` itself. The key/valu
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import replace
 
 import pytest
@@ -434,7 +435,37 @@ def test_vmap_on_the_kernels_is_a_clear_error(device):
     (``tests/test_plans.py::test_vmap_takes_the_pipeline``)."""
     cos, sin = random_tables(8, R, torch.float32, device)
     q = torch.randn(2, 4, 1, 8 + R, device=device)
-    with pytest.raises(NotImplementedError, match=r"cannot run under torch\.func\.vmap"):
+    with pytest.raises(NotImplementedError, match=r"batched tensors: under torch\.func\.vmap"):
         torch.func.vmap(lambda x: mlarope.apply_rope_q(x, cos, sin, layout="thd"))(q)
-    with pytest.raises(NotImplementedError, match=r"cannot run under torch\.func\.vmap"):
+    with pytest.raises(NotImplementedError, match=r"batched tensors: under torch\.func\.vmap"):
         torch.func.jacrev(lambda x: mlarope.apply_rope_q(x, cos, sin, layout="thd"))(q[0])
+
+
+@pytest.mark.parametrize("interleaved_out", [False, True])
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_batched_gradients(inplace_backward, interleaved_out, device, monkeypatch):
+    """``torch.autograd.grad(..., is_grads_batched=True)`` (``gradcheck``'s batched check): the
+    reference backend gives each gradient's rotation (it crashed the process with
+    ``inplace_backward=True``, writing a gradient that has no memory, and raised on
+    interleaved pairs, whose ``flatten`` legacy vmap lacks; found by review); the kernels say
+    they cannot (``Cannot access data pointer`` before)."""
+    cos, sin = random_tables(8, R, torch.float32, device)
+    x = torch.randn(4, 2, 8 + R, device=device, requires_grad=True)
+    grads = torch.randn(3, 4, 2, 8 + R, device=device)
+    kw = dict(layout="thd", inplace_backward=inplace_backward, interleaved_out=interleaved_out)
+
+    def batched():
+        out = mlarope.apply_rope_q(x, cos, sin, **kw)
+        return torch.autograd.grad(out, x, grads, is_grads_batched=True)[0]
+
+    if device.type == "cpu":
+        with monkeypatch.context() as m:
+            m.setenv("TRITON_INTERPRET", "0")
+            got = batched()
+            for i in range(3):
+                out = mlarope.apply_rope_q(x, cos, sin, **kw)
+                one = torch.autograd.grad(out, x, grads[i].clone())[0]
+                assert torch.equal(got[i], one), i
+    if device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+        with pytest.raises(NotImplementedError, match="is_grads_batched=True"):
+            batched()

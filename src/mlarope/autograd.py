@@ -43,6 +43,7 @@ from .ops import (
     call_args,
     call_tensors,
     compiling,
+    has_memory,
     rope_kv_op,
     rope_q_inplace_op,
     rope_q_op,
@@ -254,10 +255,11 @@ def _grad_rotatable_in_place(grad: Tensor) -> bool:
     """Whether the backward may rotate ``grad`` in place (given ``inplace_backward``): in eager
     mode (compiled, the custom op would be functionalized into a copy anyway), not a tensor of
     a double-backward graph or of forward AD, not an inference tensor (PyTorch forbids writing
-    one outside inference mode), and every element its own memory, dense and non-overlapping (a
-    broadcast gradient, such as ``out.sum()``'s, is not). The caller made the last dim
-    contiguous and resolved a lazy negation (a new tensor, then)."""
-    if compiling() or needs_autograd(grad) or grad.is_inference():
+    one outside inference mode), not a batched gradient (no memory: writing it crashed), and
+    every element its own memory, dense and non-overlapping (a broadcast gradient, such as
+    ``out.sum()``'s, is not). The caller made the last dim contiguous and resolved a lazy
+    negation (a new tensor, then)."""
+    if compiling() or needs_autograd(grad) or grad.is_inference() or not has_memory(grad):
         return False
     expected = 1
     for size, stride in sorted(zip(grad.shape, grad.stride(), strict=True), key=lambda d: d[1]):

@@ -146,14 +146,25 @@ def _same_table_strides(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     return cos, sin
 
 
+def has_memory(t: Tensor) -> bool:
+    """Whether ``t`` has memory of its own to read or write: batched tensors (``torch.func.vmap``,
+    and autograd's ``is_grads_batched`` gradients) have none."""
+    try:
+        t.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _check_not_batched(*tensors: Tensor) -> None:
-    """The kernels read memory; ``torch.func.vmap``'s batched tensors have none (the reference
-    backend runs them as PyTorch ops do)."""
-    if any(_functorch.is_batchedtensor(t) for t in tensors):
+    """The kernels read memory; batched tensors have none (the reference backend runs them as
+    PyTorch ops do)."""
+    if any(_functorch.is_batchedtensor(t) or not has_memory(t) for t in tensors):
         raise NotImplementedError(
-            "mlarope's Triton kernels cannot run under torch.func.vmap (nor jacrev, jacfwd or "
-            "hessian, which vmap): call the op once per sample, or use the PyTorch reference "
-            "backend (mlarope.reference)"
+            "mlarope's Triton kernels cannot run on batched tensors: under torch.func.vmap (nor "
+            "jacrev, jacfwd or hessian, which vmap), or for gradients batched by "
+            "torch.autograd.grad(..., is_grads_batched=True): call the op once per sample, or "
+            "use the PyTorch reference backend (mlarope.reference)"
         )
 
 

@@ -98,7 +98,8 @@ def rotate_pairs(
     out_a = torch.where(bad, nan, out_a)
     out_b = torch.where(bad, nan, out_b)
     if interleaved_out:
-        return torch.stack((out_a, out_b), dim=-1).flatten(-2)
+        # reshape, not flatten: autograd's batched gradients (legacy vmap) have no flatten rule
+        return torch.stack((out_a, out_b), dim=-1).reshape(*out_a.shape[:-1], 2 * half)
     return torch.cat((out_a, out_b), dim=-1)
 
 
