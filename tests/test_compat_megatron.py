@@ -906,3 +906,30 @@ def test_round_to_16bit_is_torchs_rounding(dtype, device):
         f"{int((~same).sum())} of {n} differ; first x = {x.cpu()[~same][:4].tolist()}: "
         f"got {got[~same][:4].tolist()}, want {want[~same][:4].tolist()}"
     )
+
+
+def test_inplace_on_a_leaf_under_torch_func_and_forward_ad(device):
+    """The in-place functions on a leaf (``_LeafAlias``) under ``torch.func.grad`` and
+    forward-mode AD: the out-of-place function's gradient and tangent (torch.func refused a
+    Function without ``setup_context``, forward AD one without ``jvp``; found by review)."""
+    from torch.autograd import forward_ad as fwad
+
+    cos, sin = make_tables(torch.float32, device, seed=47)
+    x = randn(S, B, H, N + R, dtype=torch.float32, seed=48, device=device)
+    w = randn(S, B, H, N + R, dtype=torch.float32, seed=49, device=device)
+    tangent = randn(S, B, H, N + R, dtype=torch.float32, seed=50, device=device)
+
+    def in_place(t):
+        return mm.fused_mla_rope_inplace(t, cos, sin, N, R)
+
+    def out_of_place(t):
+        return mm.fused_mla_rope_out_of_place(t, cos, sin, N, R)
+
+    want = torch.func.grad(lambda t: (out_of_place(t) * w).sum())(x)
+    got = torch.func.grad(lambda t: (in_place(t) * w).sum())(x.clone())
+    assert torch.equal(got, want)
+    with fwad.dual_level():
+        want = fwad.unpack_dual(out_of_place(fwad.make_dual(x, tangent))).tangent
+        leaf = x.clone().requires_grad_()
+        got = fwad.unpack_dual(in_place(fwad.make_dual(leaf, tangent))).tangent
+    assert torch.equal(got, want)

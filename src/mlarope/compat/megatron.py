@@ -266,12 +266,20 @@ class _LeafAlias(torch.autograd.Function):
     any other op that saved the leaf raise at backward time."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+    def forward(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        """Nothing to keep (a separate ``setup_context``: torch.func's transforms need it)."""
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad
+
+    @staticmethod
+    def jvp(ctx, tangent: torch.Tensor) -> torch.Tensor:
+        return tangent
 
 
 def _rope_q(
