@@ -308,7 +308,9 @@ def check_append_call(
                 f"a concat cache must be [num_blocks, block_size, L + R] = [.., .., "
                 f"{latent + rope_dim}] (L = {latent}, R = {rope_dim}), got shape "
                 f"{tuple(cache.shape)}"
-            )
+                + ("; for FlashMLA's [num_blocks, block_size, 1, L + R] view pass "
+                   "cache.squeeze(2)" if cache.dim() == 4 and cache.shape[2] == 1 else "")
+            )  # fmt: skip
         fp8 = _check_cache_dtype("cache", cache, kv_c)
         why_not = f"for a {cache.dtype} cache (only FP8 caches are scaled)"
     else:
