@@ -471,3 +471,37 @@ def test_from_hf_validation():
         cfg.cos_sin(4, seq_len=0)
     with pytest.raises(ValueError, match="max_positions"):
         cfg.cos_sin(0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "key"),
+    [
+        ("dynamic", {"alpha": 1000.0}, "alpha"),  # HunYuan's fixed NTK-alpha base
+        ("longrope", {"short_mscale": 1.24, "long_mscale": 1.24}, "short_mscale"),  # Phimoe
+        ("longrope", {"long_mscale": 1.24}, "long_mscale"),
+    ],
+)
+def test_from_hf_refuses_what_model_code_reads_beside_the_type(kind, extra, key):
+    """Keys some models' own rotary code reads on top of the rope type (HunYuan's ``alpha``
+    replaces the base, Phi-3.5-MoE's ``short_mscale``/``long_mscale`` the attention factor):
+    a table without them would be silently other than the model's, so they are refused (they
+    were dropped; found by review)."""
+    config = hf_config(kind)
+    config.rope_parameters = {**config.rope_parameters, **extra}
+    with pytest.raises(ValueError, match=rf"rope_parameters\['{key}'\]"):
+        RopeConfig.from_hf(config)
+    config.rope_parameters = {**config.rope_parameters, **dict.fromkeys(extra)}  # None: absent
+    RopeConfig.from_hf(config)
+
+
+def test_from_hf_refuses_ernie_vl_reordered_frequencies():
+    """Ernie 4.5 VL's rotary code reorders the pairs' frequencies by its ``mrope_section`` even
+    for text positions: not a table mlarope has (it gave the plain one; found by review)."""
+    transformers = pytest.importorskip("transformers")
+    config_class = getattr(transformers, "Ernie4_5_VLMoeConfig", None)
+    if config_class is None:
+        pytest.skip("this transformers has no Ernie 4.5 VL")
+    config = config_class()
+    text = getattr(config, "text_config", config)
+    with pytest.raises(ValueError, match="reorders"):
+        RopeConfig.from_hf(text)

@@ -206,6 +206,7 @@ class RopeConfig:
         positions its table is this one).
         """
         params, base, head_dim, max_pos = _read_hf(config, layer_type)
+        _refuse_model_specific(config, params)
         kind = params.get("rope_type", params.get("type")) or "default"
         if kind not in ROPE_TYPES:
             raise ValueError(
@@ -383,6 +384,33 @@ class RopeConfig:
             (self, p, dev, length),
             lambda: tables_from_inv_freq(self.inv_freq(length), self.attention_scaling, p, dev),
             f"{self!r} (max_positions={p}, device={dev}, seq_len={length})",
+        )
+
+
+# Keys that some models' own rotary code reads on top of transformers' rope type, changing the
+# table: a table without them would silently be another one.
+_MODEL_SPECIFIC_KEYS = {
+    "alpha": "HunYuan's rotary code makes the base rope_theta * alpha ** (d / (d - 2))",
+    "short_mscale": "Phi-3.5-MoE's rotary code takes it for the attention factor",
+    "long_mscale": "Phi-3.5-MoE's rotary code takes it for the attention factor",
+}
+# Model types whose rotary code reorders the pairs' frequencies (by its mrope_section), text
+# positions too.
+_REORDERED_FREQUENCIES = ("ernie4_5_vl",)
+
+
+def _refuse_model_specific(config: Any, params: Mapping) -> None:
+    for key, why in _MODEL_SPECIFIC_KEYS.items():
+        if params.get(key) is not None:
+            raise ValueError(
+                f"rope_parameters[{key!r}] = {params[key]!r}: {why}, beside transformers' rope "
+                f"type, and RopeConfig does not build that table"
+            )
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type.startswith(_REORDERED_FREQUENCIES):
+        raise ValueError(
+            f"{model_type}'s rotary code reorders the pairs' frequencies by its mrope_section, "
+            f"text positions too: RopeConfig does not build that table"
         )
 
 

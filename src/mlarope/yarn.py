@@ -235,8 +235,11 @@ class YarnConfig:
                 raises, so a typo or another rope type is never silently ignored.
             rope_theta: the base; may instead be the dict's ``rope_theta`` (if both are given
                 they must agree).
-            dim: the head dim transformers reads (``config.head_dim``; for DeepSeek models
-                ``qk_rope_head_dim``); the rotary dim is ``int(dim * partial_rotary_factor)``.
+            dim: the head dim transformers reads, ``config.head_dim``; the rotary dim is
+                ``int(dim * partial_rotary_factor)``. DeepSeek-V2/V3 have no partial factor and
+                a ``head_dim`` of ``qk_rope_head_dim``; DeepSeek-V4's ``head_dim`` is the whole
+                head (512) with a partial factor of 0.125, so pass ``config.head_dim`` there
+                (its ``qk_rope_head_dim`` would give a rotary dim of 8).
             max_position_embeddings: ``config.max_position_embeddings``; as in transformers it
                 stands in for a missing ``original_max_position_embeddings`` and gives
                 ``factor = max_position_embeddings / original`` when ``factor`` is missing.
