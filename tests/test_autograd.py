@@ -469,3 +469,17 @@ def test_batched_gradients(inplace_backward, interleaved_out, device, monkeypatc
     if device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
         with pytest.raises(NotImplementedError, match="is_grads_batched=True"):
             batched()
+
+
+def test_vmap_in_place_on_the_reference(monkeypatch):
+    """``torch.func.vmap`` over an in-place call on the reference backend rotates each sample
+    as the out-of-place call does (writing through ``.data``, which vmap forbids, broke it;
+    found by review)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cos, sin = random_tables(8, R, torch.float32, "cpu")
+    y = torch.randn(3, 4, 2, 8 + R)
+    got = torch.func.vmap(lambda t: mlarope.apply_rope_q(t, cos, sin, layout="thd", inplace=True))(
+        y.clone()
+    )
+    want = torch.stack([mlarope.apply_rope_q(t, cos, sin, layout="thd") for t in y])
+    assert torch.equal(got, want)

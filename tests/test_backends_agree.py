@@ -272,6 +272,7 @@ def test_signed_zeros_are_the_references(device, dtype, inverse, interleaved_out
     k_pe = q[:, 0, 16:]
     args = (q.detach().requires_grad_(), k_pe.detach().requires_grad_(), q.detach())
     got = run(*args)
+    cos, sin, kw["position_ids"] = cos.cpu(), sin.cpu(), ids.cpu()  # the reference's, on the CPU
     with monkeypatch.context() as m:
         m.setenv("TRITON_INTERPRET", "0")
         want = run(*(t.cpu().detach().requires_grad_(t.requires_grad) for t in args))

@@ -888,6 +888,12 @@ def test_in_place_on_a_leaf_that_requires_grad_writes_nothing(view, backend, mon
     leaf = torch.randn(4, 2, 70, requires_grad=True)
     before = leaf.detach().clone()
     q = leaf[:, :1] if view else leaf
+    # A launch plan recorded by calls on a non-leaf of the same metadata (its guard does not
+    # tell a leaf): the leaf is refused before the plan is looked up.
+    activation = torch.randn(4, 2, 70, requires_grad=True) * 1
+    for _ in range(2):
+        mlarope.apply_rope_q(activation[:, :1] if view else activation, cos, sin, layout="thd",
+                             inplace=True)  # fmt: skip
     for _ in range(2):
         with pytest.raises(RuntimeError, match="q is a leaf Variable that requires grad"):
             mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)

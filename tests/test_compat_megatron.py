@@ -671,8 +671,9 @@ def test_inplace_on_grad_leaf_compiled(device):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_inplace_on_a_non_leaf_compiled(backend, device):
     """The usual Megatron case, an activation (not a leaf) that requires grad, rotated in place
-    inside ``torch.compile(fullgraph=True)``: the eager values and gradient (the check for a
-    view of a leaf called ``_is_view()``, which Dynamo cannot trace; found by review)."""
+    inside ``torch.compile(fullgraph=True)``, and a view of a leaf: the eager values and
+    gradient (the check for a view of a leaf called ``_is_view()``, which Dynamo cannot trace,
+    and a view of a leaf then went to the native in-place op; found by review)."""
     torch._dynamo.reset()
     cos, sin = make_tables(torch.float32, device, seed=44)
     x0 = randn(S, B, H, N + R, dtype=torch.float32, seed=45, device=device)
@@ -681,14 +682,18 @@ def test_inplace_on_a_non_leaf_compiled(backend, device):
     def rotate(t):
         return mm.fused_mla_rope_inplace(t * 1, cos, sin, N, R)
 
-    results = []
-    for fn in (rotate, torch.compile(rotate, fullgraph=True, backend=backend)):
-        x = x0.clone().requires_grad_()
-        out = fn(x)
-        out.backward(g)
-        results.append((out.detach(), x.grad))
-    for eager, compiled in zip(*results, strict=True):
-        assert torch.equal(eager, compiled)
+    def rotate_a_view_of_the_leaf(t):
+        return mm.fused_mla_rope_inplace(t[:, :], cos, sin, N, R)
+
+    for fn in (rotate, rotate_a_view_of_the_leaf):
+        results = []
+        for run in (fn, torch.compile(fn, fullgraph=True, backend=backend)):
+            x = x0.clone().requires_grad_()
+            out = run(x)
+            out.backward(g)
+            results.append((out.detach(), x.detach(), x.grad))
+        for eager, compiled in zip(*results, strict=True):
+            assert torch.equal(eager, compiled), fn.__name__
 
 
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])

@@ -274,25 +274,31 @@ def check_inplace_target(
             f"be modified in place outside inference mode (PyTorch's rule); pass inplace=False, "
             f"call inside torch.inference_mode(), or pass {name}.clone()"
         )
+    refuse_in_place_leaf(name, x)
+    refuse_overlap(name, x, reads)
+
+
+def refuse_in_place_leaf(name: str, x: torch.Tensor) -> None:
+    """autograd's own error comes from ``mark_dirty``, after the kernel wrote: raise first (the
+    public call asks before it looks for a launch plan, whose guard does not tell a leaf)."""
     if autograd_refuses_in_place(x):
-        # autograd's own error comes from mark_dirty, after the kernel wrote: raise first.
         raise RuntimeError(
             f"{name} is a leaf Variable that requires grad, or a view of one, which autograd "
             f"forbids modifying in place (nothing was written); pass inplace=False or "
             f"{name}.clone()"
         )
-    refuse_overlap(name, x, reads)
 
 
 def autograd_refuses_in_place(t: torch.Tensor) -> bool:
     """Whether autograd forbids writing ``t`` in place: a leaf that requires grad, or a view of
-    one (``leaf[..., :]``, ``leaf.view(...)``; not asked while Dynamo traces, which cannot
+    one (``leaf[..., :]``, ``leaf.view(...)``; by ``_base``, which Dynamo traces where it cannot
     trace ``_is_view()``)."""
     if not (t.requires_grad and torch.is_grad_enabled()):
         return False
     if t.is_leaf:
         return True
-    return not torch.compiler.is_compiling() and t._is_view() and t._base.is_leaf
+    base = t._base
+    return base is not None and base.is_leaf
 
 
 def check_tables_constant(cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -200,8 +200,13 @@ def rope_q_(q: Tensor, call: QueryCall) -> None:
         rope_dim = call.cos.shape[-1]
         rotated = rope_q(q, call)
         # Through .data, which bumps no version counter: as for the kernels, the caller bumps
-        # it once (a copy_ on q bumped it a second time on this backend only).
-        q.data[..., q.shape[-1] - rope_dim :].copy_(rotated[..., q.shape[-1] - rope_dim :])
+        # it once (a copy_ on q bumped it a second time on this backend only). A functorch
+        # tensor (vmap, torch.func) has no .data to take: written as PyTorch writes it.
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor(q)
+        with torch.no_grad():
+            (q if wrapped else q.data)[..., q.shape[-1] - rope_dim :].copy_(
+                rotated[..., q.shape[-1] - rope_dim :]
+            )
         return
     _check_not_batched(q)
     from .kernels.q import rope_q_launch
