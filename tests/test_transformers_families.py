@@ -1370,3 +1370,17 @@ def test_deepseek_v4_rope_width_is_checked(device):
     with pytest.raises(ValueError, match="qk_rope_head_dim is 48"):
         mt.apply_mlarope(model)
     assert not mt.is_mlarope_applied(V4)
+
+
+def test_kept_tables_of_sources_without_memory_are_made_each_call():
+    """Sources without memory (batched tensors under ``torch.func.vmap``) have no address to
+    key kept tables on: their tables are made for the call (``data_ptr`` raised there)."""
+    prepared = _rotation._Prepared()
+    cos, sin = torch.randn(2, 3, 1, 8, 16).unbind(0)
+
+    def tables(c, s):
+        return prepared.get((c, s), 8, "half_width")[0]
+
+    got = torch.func.vmap(tables)(cos, sin)
+    want = torch.stack([tables(c, s) for c, s in zip(cos, sin, strict=True)])
+    assert torch.equal(got, want)

@@ -271,7 +271,10 @@ class _Prepared:
         self.kept: list[_Entry] = []
 
     def get(self, sources: tuple, rows: int, kind: str) -> tuple:
-        key = (*((t._version, t.data_ptr(), t.dtype) for t in sources), rows, kind)
+        try:
+            key = (*((t._version, t.data_ptr(), t.dtype) for t in sources), rows, kind)
+        except RuntimeError:  # a source without memory (a batched tensor): nothing to key on
+            return _make_tables(sources, rows, kind)
         self.kept = [entry for entry in self.kept if entry.tables is not None]
         for i, entry in enumerate(self.kept):
             if entry.made_from(sources, key):
