@@ -48,9 +48,11 @@ for step in "${steps[@]}"; do
         python3 -m mlarope info; } 2>&1 | tee "$OUT/info.txt" ;;
     tests)
       # TESTS_K: the -k expression (default "not gloo"); TESTS_WORKERS: pytest-xdist workers.
-      timeout "${TESTS_SECONDS:-200}" python3 -m pytest -q -n "${TESTS_WORKERS:-16}" tests \
-        --device cuda -k "${TESTS_K:-not gloo}" -p no:cacheprovider -rfE -v --durations=15 \
-        >"$OUT/pytest.log" 2>&1 || status=1
+      # -v (no -q, which cancels it) logs every result with its name as it comes; at the limit
+      # SIGINT, not SIGTERM, lets pytest still print the -rfE summary of what failed so far.
+      timeout -s INT -k 30 "${TESTS_SECONDS:-200}" python3 -m pytest -n "${TESTS_WORKERS:-16}" \
+        tests --device cuda -k "${TESTS_K:-not gloo}" -p no:cacheprovider -rfE -v \
+        --durations=15 >"$OUT/pytest.log" 2>&1 || status=1
       grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -30 ;;
     stress)
       python3 -m mlarope stress --trials "${STRESS_TRIALS:-20000}" \

@@ -3,6 +3,8 @@ general random tables and a bit-for-bit comparison."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -56,8 +58,11 @@ def interpreter_fma_rounds_once() -> bool:
 
 def kernels_fuse(device) -> bool:
     """Whether the kernels' ``tl.fma`` rounds once on ``device``: always on a GPU, under Triton's
-    interpreter from 3.7 on (``interpreter_fma_rounds_once``)."""
-    return torch.device(device).type != "cpu" or interpreter_fma_rounds_once()
+    interpreter from 3.7 on (``interpreter_fma_rounds_once``; CPU tensors without the
+    interpreter run the reference, whose products are not fused)."""
+    if torch.device(device).type != "cpu":
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1" and interpreter_fma_rounds_once()
 
 
 def fused_multiply_add(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

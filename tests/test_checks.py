@@ -846,6 +846,7 @@ def test_validation_in_a_fullgraph_compile(source, backend, device, monkeypatch)
     assert str(in_graph.value) == str(eager.value)
 
 
+@pytest.mark.cpu  # switches between the interpreter's kernels and the reference on CPU tensors
 @pytest.mark.parametrize("inplace_backward", [False, True])
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_in_place_bumps_the_version_alike_on_every_backend(
