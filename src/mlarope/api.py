@@ -81,7 +81,7 @@ def apply_rope_q(
         q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
         interleaved_out, inverse, inplace, inplace_backward, validate,
     )  # fmt: skip
-    if inplace is True and signature is not None:
+    if inplace is True and signature is not None and q.requires_grad:  # a leaf, before a plan
         _checks.refuse_in_place_leaf("q", q)
     plan = _plans.find(signature)
     if plan is not None:  # a repeated eager call
