@@ -658,7 +658,8 @@ def test_inplace_on_overlapping_rows_is_rejected(backend, device, monkeypatch):
         mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
     # rows of a fused projection, apart: accepted
     wide = torch.randn(6, 2, 3 * 48, device=device)[..., 48 : 2 * 48]
-    mlarope.apply_rope_q(wide, cos, sin, layout="thd", position_ids=torch.arange(6), inplace=True)
+    positions = torch.arange(6, device=device)
+    mlarope.apply_rope_q(wide, cos, sin, layout="thd", position_ids=positions, inplace=True)
 
 
 @pytest.mark.parametrize("shared", ["cos", "sin", "position_ids"])

@@ -207,7 +207,8 @@ def _run(case, device, backend, o, cos, sin, positions):
 
 
 def _footprint(t: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """Which bytes of ``raw`` the view ``t`` covers."""
+    """Which bytes of ``raw`` the view ``t`` covers (both on their own device: only their
+    addresses are read; a ``.cpu()`` copy of each would have its own storage)."""
     mask = torch.zeros(raw.numel() * raw.element_size(), dtype=torch.bool)
     size = t.element_size()
     offsets = torch.zeros((), dtype=torch.int64)
@@ -238,7 +239,7 @@ def test_bytes_are_the_rule(device, case):
                            scale_bytes(scales, scale_out.dtype).reshape(
                                stored_scale_bytes(scale_out).shape)), f"{what}: scales"  # fmt: skip
         for t, raw, raw0 in zip((out, scale_out), keep, before, strict=False):
-            outside = ~_footprint(t.cpu(), raw.cpu())
+            outside = ~_footprint(t, raw)
             now, then = raw.cpu().view(torch.uint8)[outside], raw0.view(torch.uint8)[outside]
             assert torch.equal(now, then), f"{what}: bytes outside"
 
