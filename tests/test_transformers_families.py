@@ -50,9 +50,14 @@ Error model, model level (``y`` = logits and the gradient of every parameter, ea
   bound vanish). The ratio of two such samples of the same noise, per tensor, measured at most
   4.1 over 4 seeds x 16 families x both backends (model sizes here), so ``C = 6``. Over all
   tensors together (``G``: the root-sum-square of the relative deviations), the patched run is
-  within ``1.5 G`` of the unpatched one (measured 0.6-1.25). A wrong pair layout gives a per-tensor
-  ratio of 12 to 50 in most families (``test_negative_control``; bailing_hybrid, whose one MLA
-  layer of two moves the outputs little, 2-5: its wrong rotation is caught by the fp32 test).
+  within ``1.5 G`` of the unpatched one (measured 0.6-1.25). ``G`` leaves out the tensors whose
+  unpatched deviation is as large as the tensor itself: values that are zero in exact
+  arithmetic, such as deepseek_v4's router gate gradient with every expert used (relative
+  deviations of 1e12 to 1e13, noise over noise, which alone made ``G`` 0.23 to 3.95 by seed and
+  device: 3.95 on the H200, run H1); the per-tensor bound still covers them. A wrong pair
+  layout gives a per-tensor ratio of 12 to 50 in most families (``test_negative_control``;
+  bailing_hybrid, whose one MLA layer of two moves the outputs little, 2-5: its wrong rotation
+  is caught by the fp32 test).
   No discrete choice may depend on the rope's rounding in bf16: every routed expert is used
   (``num_experts_per_tok = n_routed_experts``) and the DSA indexers select every key (sequence
   8 <= ``index_topk``); the fp32 run uses a sequence of 12, so the indexers' selection, and with it
@@ -299,8 +304,13 @@ def bf16_ratios(patched, samples, truth) -> tuple[dict[str, float], float]:
     ratios = {
         k: dev_p[k] / max(*(d[k] for d in devs), rho * norms[k], U_BF16 * norms[k]) for k in keys
     }
-    g_p = math.sqrt(sum((dev_p[k] / norms[k]) ** 2 for k in keys))
-    g_u = math.sqrt(sum((devs[0][k] / norms[k]) ** 2 for k in keys))
+    # G over the tensors the network computes to better than their own size: one whose exact
+    # value is zero up to rounding (a router's gradient when every expert is used) has a
+    # relative deviation of noise over noise (3e13 for deepseek_v4's gate), which alone would
+    # make G (module docstring).
+    signal = [k for k in keys if devs[0][k] < norms[k]]
+    g_p = math.sqrt(sum((dev_p[k] / norms[k]) ** 2 for k in signal))
+    g_u = math.sqrt(sum((devs[0][k] / norms[k]) ** 2 for k in signal))
     return ratios, g_p / g_u
 
 
