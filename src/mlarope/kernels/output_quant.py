@@ -209,7 +209,8 @@ class OutputConfig:
     """Tokens and heads per program, and warps; any valid one gives the same bytes.
     ``whole_row``: each head row loaded whole before any store (head dims that are a power of
     two), where the default walks its 128-channel blocks, a load and a store each, in turn; a
-    variant for the benchmark's sweep, not yet measured (docs/perf_log.md, v14)."""
+    variant for the benchmark's sweep, measured slower than the default tile (950 against 843
+    us at its best, docs/perf_log.md v15)."""
 
     block_t: int
     block_h: int
@@ -217,12 +218,14 @@ class OutputConfig:
     whole_row: bool = False
 
 
-# Head rows a program takes: 16 rows of one 128-channel block are 2,048 elements a step, 16 a
-# thread with 4 warps (two 16-byte loads of bf16), as the decode query's copy tile; below
-# _MIN_PROGRAMS programs (decode batches: four programs for each of the H200's 132
-# multiprocessors) fewer rows a program, down to one. Not under Triton's interpreter, which runs
-# programs one after another at about the same cost whatever their size (150 ms each here).
-_ROWS = 16
+# Head rows a program takes: 4 rows of one 128-channel block are 512 elements a step, 16 a
+# thread with one warp (two 16-byte loads of bf16), the fastest of the serving benchmark's
+# sweep at 16,384 tokens of 128 heads (842.9 us, 91 % of the copy, where 16 rows and 4 warps
+# took 1,014 us, 76 %; docs/perf_log.md v15); below _MIN_PROGRAMS programs (decode batches:
+# four programs for each of the H200's 132 multiprocessors) fewer rows a program, down to one.
+# Not under Triton's interpreter, which runs programs one after another at about the same cost
+# whatever their size (150 ms each here).
+_ROWS = 4
 _MIN_PROGRAMS = 528
 
 

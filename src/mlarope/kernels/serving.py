@@ -449,26 +449,34 @@ def choose_append_config(n_tokens: int, latent: int) -> AppendConfig:
 # Programs below which a decode-query grid leaves the H200's 132 multiprocessors short of
 # bytes in flight (four programs each).
 _QUERY_MIN_PROGRAMS = 528
+# Elements a prefill program moves a step (one warp's worth, 32 a thread).
+_QUERY_PREFILL_ELEMENTS = 1024
 
 
 def choose_query_config(n_tokens: int, n_heads: int, latent: int) -> QueryConfig:
     """Heuristic configuration of the decode-query kernel (no autotuning).
 
-    Prefill batches: the key/value forward's copy tile (``kernels/kv.py``), 16 heads x 128
-    channels a step, one warp per 1,024 elements, which measured 92-95 % of the copy there.
-    Decode batches, where that tile gives fewer than ``_QUERY_MIN_PROGRAMS`` programs (64
-    tokens of 128 heads and fewer: one token was 8 programs, 5.1 us against FlashInfer's
-    2.4, run G1): the whole latent row in one step (no loop, so each program's loads are all
-    in flight at once), and fewer heads per program, down to one, until the grid has that
-    many programs or each program holds one head."""
+    Prefill batches: 8 heads x 128 channels a step and one warp (32 elements a thread), the
+    fastest of the serving benchmark's sweep at 16,384 tokens of 128 heads (858.7 us, 99 % of
+    the copy, where the key/value forward's tile of 16 heads and two warps took 976.3 us,
+    87 %; docs/perf_log.md v15). Decode batches, where the 16-head tile gives fewer than
+    ``_QUERY_MIN_PROGRAMS`` programs (64 tokens of 128 heads and fewer: one token was 8
+    programs, 5.1 us against FlashInfer's 2.4, run G1): the whole latent row in one step (no
+    loop, so each program's loads are all in flight at once), and fewer heads per program,
+    down to one, until the grid has that many programs or each program holds one head."""
     block_c = min(next_power_of_2(latent), 128)
-    block_h = min(next_power_of_2(n_heads), max(1, 2048 // block_c))
-    block_t = min(next_power_of_2(n_tokens), max(1, 2048 // (block_h * block_c)))
-    if -(-n_tokens // block_t) * -(-n_heads // block_h) < _QUERY_MIN_PROGRAMS:
+    decode_h = min(next_power_of_2(n_heads), max(1, 2048 // block_c))
+    decode_t = min(next_power_of_2(n_tokens), max(1, 2048 // (decode_h * block_c)))
+    if -(-n_tokens // decode_t) * -(-n_heads // decode_h) < _QUERY_MIN_PROGRAMS:
         block_t, block_c = 1, next_power_of_2(latent)
         block_h = min(next_power_of_2(n_heads), max(1, 2048 // block_c))
         while block_h > 1 and n_tokens * -(-n_heads // block_h) < _QUERY_MIN_PROGRAMS:
             block_h //= 2
+    else:
+        block_h = min(next_power_of_2(n_heads), max(1, _QUERY_PREFILL_ELEMENTS // block_c))
+        block_t = min(
+            next_power_of_2(n_tokens), max(1, _QUERY_PREFILL_ELEMENTS // (block_h * block_c))
+        )
     num_warps = min(8, next_power_of_2(max(1, block_t * block_h * block_c // 1024)))
     return QueryConfig(block_t, block_h, block_c, num_warps)
 
