@@ -248,7 +248,58 @@ def rope_q_differentiable(
             return q.copy_(_Q.compiled.apply(q, *call_args(call), False, False))
         return _Q.compiled.apply(q, *call_args(call), False, inplace_backward)
     call = search_for_backward(q, call)
+    if inplace and rotates_whole_base(q):
+        _ThroughBase.apply(
+            q._base, q.shape, lambda x: run_q_(x, call),
+            lambda g: _q_gradient(_ready(g), call, inplace_backward),
+        )  # fmt: skip
+        return q
     return _Q.pick().apply(q, *call_args(call), inplace, inplace_backward)
+
+
+# ------------------------------------------------- in place on a view that reshapes its base
+def rotates_whole_base(q: Tensor) -> bool:
+    """Whether an in-place call that needs autograd should mark ``q``'s base dirty, not ``q``:
+    ``q`` a view (not of a leaf) that is its whole contiguous base reshaped, as
+    ``linear(x).view(S, B, H, D)`` is (Megatron-Core's query), in plain eager autograd.
+
+    Marking a view dirty makes autograd rebase it (a ``CopySlices`` node), whose backward
+    copies the base's whole gradient three times: on the H200, 0.43 ms of a 14.6 ms
+    Megatron-Core layer step at sbhd 4,096, which made the patch 2 % slower than Megatron's
+    fused kernels (run H1, docs/perf_log.md v15). Marking the base dirty is the same
+    declaration: every view of it, ``q`` too, takes its new history the next time autograd
+    sees it, and any op that saved the base or a view of it raises at backward time."""
+    base = q._base
+    return (
+        base is not None
+        and not base.is_leaf
+        and _fwad._current_level < 0
+        and not torch._C._are_functorch_transforms_active()
+        and torch.is_grad_enabled()
+        and q.requires_grad
+        and base.dtype == q.dtype
+        and q.numel() == base.numel()
+        and q.storage_offset() == base.storage_offset()
+        and q.is_contiguous()
+        and base.is_contiguous()
+    )
+
+
+class _ThroughBase(torch.autograd.Function):
+    """``rotate(q)`` in place (the kernels, no autograd), declared on ``base``, which ``q``
+    reshapes whole (:func:`rotates_whole_base`); the backward is ``transpose`` of the base's
+    gradient reshaped as ``q``. Inputs: ``base``, ``q``'s shape, ``rotate``, ``transpose``."""
+
+    @staticmethod
+    def forward(ctx, base, shape, rotate, transpose):
+        rotate(base.view(shape))  # which bumps the version counter once, as the other paths
+        ctx.mark_dirty(base)
+        ctx.shape, ctx.transpose = shape, transpose
+        return base
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.transpose(grad.reshape(ctx.shape)).reshape(grad.shape), None, None, None
 
 
 def _grad_rotatable_in_place(grad: Tensor) -> bool:
@@ -511,5 +562,22 @@ if _function_base_apply is not None and hasattr(_function_base_apply, "__get__")
 
 def replay(plan: _plans.GradPlan, inputs: tuple):
     """The result of a replayed call: what the pipeline's call returned (``q``'s rotation, or
-    ``q`` itself in place; ``(k, v)``; ``(q', k')``), through one autograd node."""
+    ``q`` itself in place; ``(k, v)``; ``(q', k')``), through one autograd node (an in-place
+    ``q`` that reshapes its whole base: :func:`rotates_whole_base`)."""
+    q = inputs[0]
+    if plan.op == "q" and plan.inplace and rotates_whole_base(q):
+        tables = inputs[1:]
+        cos, sin, _, position_ids, _ = _record_tensors(q, tables)
+        saved = (cos, sin) if position_ids is None else (cos, sin, position_ids)
+        call = _call_of(plan, saved, q)
+
+        def rotate(x: Tensor) -> None:
+            plan.forward.run((x, *tables))
+            torch.autograd.graph.increment_version(x)  # the kernel wrote through a pointer
+
+        _ThroughBase.apply(
+            q._base, q.shape, rotate,
+            lambda g: _q_gradient(_ready(g), call, plan.inplace_backward),
+        )  # fmt: skip
+        return q
     return _apply_replayed(plan, *inputs)

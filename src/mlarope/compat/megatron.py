@@ -71,6 +71,7 @@ import torch
 
 import mlarope
 from mlarope import _checks, _plans
+from mlarope import autograd as _autograd
 from mlarope.autograd import replay, rope_kv_differentiable
 from mlarope.ops import KVCall, with_tensors
 
@@ -296,7 +297,13 @@ def _rope_q(
                     t.copy_(out)
                 return out
             t = _LeafAlias.apply(t)
-        return mlarope.apply_rope_q(t, cos, sin, inplace=inplace, **kwargs)
+        out = mlarope.apply_rope_q(t, cos, sin, inplace=inplace, **kwargs)
+        if inplace and not torch.compiler.is_compiling() and _autograd.rotates_whole_base(out):
+            # The call marked the base dirty (it reshapes the whole base): a new view of the
+            # base differentiates as a view; ``t`` itself would take the base's new history as
+            # an as_strided view, whose backward copies the gradient twice.
+            return out._base.view(out.shape)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +350,12 @@ def fused_mla_rope_inplace(
         ``t`` itself, rotated in place, the mutation declared to autograd (``mark_dirty``). For
         a leaf that requires grad (or a view of one), which autograd does not let anyone
         rotate in place, a new tensor on ``t``'s storage whose backward hands ``t`` the
-        rotated-back gradient, as Megatron's function returns.
+        rotated-back gradient, as Megatron's function returns. Where ``t`` requires grad and
+        reshapes the whole of a non-leaf base (Megatron-Core's query,
+        ``linear(x).view(...)``), the base is declared modified and a new view of it, shaped
+        and strided as ``t``, is returned: its backward copies nothing, where ``t`` itself,
+        still correct, would copy the gradient twice (Megatron's own function returns a new
+        view too, for sbhd).
     """
     return _mla_rope(
         "fused_mla_rope_inplace", True, t, cos, sin, nope_dim, emb_dim, cu_seqlens_q, cp_rank,

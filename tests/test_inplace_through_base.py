@@ -1,0 +1,132 @@
+"""In-place query calls on a view that reshapes its whole base (Megatron-Core's
+``linear(x).view(S, B, H, D)``): the base is marked dirty, not the view, so the backward makes
+no ``CopySlices`` copies of the gradient (``autograd.rotates_whole_base``). Values, gradients,
+version counters and the saved-tensor check as for any other in-place call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mlarope
+from mlarope import autograd
+from mlarope.compat import megatron
+
+S, B, H, N, R = 5, 2, 3, 8, 32
+COPIES = {"copy_", "clone", "new_zeros", "zeros_like", "new_empty_strided", "_to_copy"}
+
+
+class FullSizeCopies(TorchDispatchMode):
+    """Counts the ops that copy or fill a tensor of ``numel`` elements (the query's gradient)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in COPIES and isinstance(out, torch.Tensor):
+            self.count += out.numel() == self.numel
+        return out
+
+
+def _layer(device, layout: str):
+    """``x -> linear -> view -> rotate q in place -> sum of squares``, as Megatron's MLA."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = (S, B) if layout == "sbhd" else (S * B,)
+    x = torch.randn(*tokens, 16, generator=gen).to(device).requires_grad_(True)
+    w = torch.randn(H * (N + R), 16, generator=gen).to(device).requires_grad_(True)
+    cos, sin = (torch.randn(S * B + 1, R, generator=gen).to(device) for _ in range(2))
+    kwargs = {"layout": layout}
+    if layout == "thd":
+        kwargs["cu_seqlens"] = torch.tensor([0, 4, S * B], device=device)
+    return x, w, cos, sin, kwargs, tokens
+
+
+def _step(x, w, cos, sin, kwargs, tokens, view: bool, api: str = "core"):
+    q = torch.nn.functional.linear(x, w)
+    q = q.view(*tokens, H, N + R) if view else q.reshape(*tokens, H, N + R).clone()
+    if api == "compat":  # Megatron-Core's call: query = fused_apply_mla_rope_for_q(q, ...)
+        return megatron.fused_apply_mla_rope_for_q(
+            q, cos[:, None, None], sin[:, None, None], N, R, kwargs.get("cu_seqlens")
+        )  # fmt: skip
+    out = mlarope.apply_rope_q(q, cos, sin, inplace=True, **kwargs)
+    assert out is q
+    return q
+
+
+# Full-size copies of the gradient a backward makes beyond those of a query that is its own
+# tensor. Before: 6 for both (a CopySlices node, then the view's as_strided history). The core
+# op returns ``q`` itself, whose history autograd regenerates as an as_strided view of the
+# base (a zero fill and a copy); the Megatron function returns a new view of the base.
+EXTRA_COPIES = {"core": 2, "compat": 0}
+
+
+@pytest.mark.parametrize("api", ["core", "compat"])
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_same_values_and_gradients_without_copies(device, layout, api):
+    x, w, cos, sin, kwargs, tokens = _layer(device, layout)
+    g = torch.randn(*tokens, H, N + R, generator=torch.Generator().manual_seed(1)).to(device)
+    want_q = _step(x, w, cos, sin, kwargs, tokens, view=False, api=api)
+    # A query that is its own tensor: no rebasing. What its backward copies (the interpreter's
+    # launches copy their arguments) is what the view's may copy.
+    with FullSizeCopies(want_q.numel()) as own:
+        want = torch.autograd.grad(want_q, (x, w), g)
+    for call in range(3):  # the first call records a launch plan, the later ones replay it
+        q = _step(x, w, cos, sin, kwargs, tokens, view=True, api=api)
+        assert torch.equal(q, want_q), f"call {call}: values"
+        with FullSizeCopies(q.numel()) as copies:
+            got = torch.autograd.grad(q, (x, w), g)
+        assert copies.count == own.count + EXTRA_COPIES[api], (
+            f"call {call}: {copies.count} copies of the gradient, {own.count} without the view"
+        )
+        for a, b, name in zip(got, want, ("x", "w"), strict=True):
+            assert torch.equal(a, b), f"call {call}: gradient of {name}"
+
+
+def test_the_view_takes_the_new_history(device):
+    """A later use of the view, or of the base, differentiates through the rotation."""
+    x, w, cos, sin, kwargs, tokens = _layer(device, "sbhd")
+    base = torch.nn.functional.linear(x, w)
+    q = base.view(*tokens, H, N + R)
+    mlarope.apply_rope_q(q, cos, sin, inplace=True, **kwargs)
+    (gx_view,) = torch.autograd.grad((q * 3).sum() + base.sum(), (x,))
+    copy = torch.nn.functional.linear(x, w).reshape(*tokens, H, N + R).clone()
+    mlarope.apply_rope_q(copy, cos, sin, inplace=True, **kwargs)
+    (want,) = torch.autograd.grad((copy * 3).sum() + copy.sum(), (x,))
+    torch.testing.assert_close(gx_view, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_op_that_saved_the_view_raises(device):
+    x, w, cos, sin, kwargs, tokens = _layer(device, "sbhd")
+    q = torch.nn.functional.linear(x, w).view(*tokens, H, N + R)
+    before = q._version
+    y = q * q  # saves q
+    mlarope.apply_rope_q(q, cos, sin, inplace=True, **kwargs)
+    assert q._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_double_backward_matches(device):
+    x, w, cos, sin, kwargs, tokens = _layer(device, "sbhd")
+    grads = []
+    for view in (True, False):
+        q = _step(x, w, cos, sin, kwargs, tokens, view=view)
+        (gx,) = torch.autograd.grad((q**2).sum(), (x,), create_graph=True)
+        (gw,) = torch.autograd.grad(gx.sum(), (w,))
+        grads.append(gw)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_only_whole_contiguous_views_of_non_leaves():
+    base = torch.randn(4, 6, requires_grad=True) * 1
+    assert autograd.rotates_whole_base(base.view(4, 2, 3))
+    assert not autograd.rotates_whole_base(base)  # not a view
+    assert not autograd.rotates_whole_base(base[:2].view(2, 2, 3))  # part of it
+    assert not autograd.rotates_whole_base(base.t().reshape(6, 2, 2)[..., :2])
+    leaf = torch.randn(4, 6, requires_grad=True)
+    assert not autograd.rotates_whole_base(leaf.view(4, 2, 3))  # the leaf path
+    with torch.no_grad():
+        assert not autograd.rotates_whole_base(base.view(4, 2, 3))
