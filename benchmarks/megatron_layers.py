@@ -332,6 +332,32 @@ def measure(case: Case, layers: Layers, impls: list[str], args, device, mla, fus
     }
 
 
+def kernel_profile(case: Case, layers: Layers, impls: list[str], device, start: float) -> None:
+    """Print each implementation's GPU time per training step by kernel (torch.profiler, one
+    step after the timing): where a row's difference between implementations goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(2)
+    hidden = layers.fused.config.hidden_size
+    x0 = torch.randn(case.tokens, 1, hidden, generator=gen).to(device, torch.bfloat16)
+    g0 = torch.randn(case.tokens, 1, hidden, generator=gen).to(device, torch.bfloat16)
+    psp = case.packed_seq_params(device)
+    for impl in impls:
+        with patch_for(impl):
+            training_step(layers.of(impl), x0, g0, psp)
+            torch.cuda.synchronize(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                training_step(layers.of(impl), x0, g0, psp)
+                torch.cuda.synchronize(device)
+        events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        events.sort(key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in events) / 1e3
+        log(start, f"{case.label}: profile {impl}: {total:.3f} ms of GPU kernels a step")
+        for e in events[:14]:
+            log(start, f"  {impl:8s} {e.self_device_time_total / 1e3:8.3f} ms {e.count:4d}x "
+                       f"{e.key[:110]}")  # fmt: skip
+
+
 def _ms(row: dict, key: str) -> str:
     return f"{row[key]:.2f} ms" if key in row else "n/a"
 
@@ -372,6 +398,8 @@ def megatron_commit(path: str | None) -> str:
     commit = Path(path) / "COMMIT"
     if commit.is_file():
         return f"Megatron-LM {commit.read_text().strip()}"
+    if not (Path(path) / ".git").exists():  # an archive: git would name the enclosing repo
+        return "Megatron-LM (unknown commit: no COMMIT file, no .git)"
     try:
         out = subprocess.run(["git", "-C", path, "rev-parse", "--short=12", "HEAD"],
                              capture_output=True, text=True, timeout=10)  # fmt: skip
@@ -412,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         help="a Megatron-LM checkout (default $MEGATRON_LM; else installed)",
     )
     parser.add_argument("--out", default=None, help="also write the table to this file")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each implementation's GPU time by kernel, one "
+                             "training step per case (CUDA only)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         cases = [Case.parse(s) for s in (args.cases or (TINY_CASES if args.tiny else
@@ -453,6 +484,11 @@ def main(argv: list[str] | None = None) -> int:
                 first = str(exc).splitlines()[0][:160] if str(exc) else ""
                 rows.append({"case": case, "error": f"{type(exc).__name__}: {first}", "ok": False})
             print(row_text(rows[-1]), flush=True)
+            if args.profile and device.type == "cuda" and "error" not in rows[-1]:
+                try:
+                    kernel_profile(case, layers, impls, device, start)
+                except Exception:  # the profile is a diagnosis: the row stands without it
+                    traceback.print_exc()
             if args.out:
                 with open(args.out, "w", encoding="utf-8") as f:
                     f.write(table(rows, header) + "\n")
