@@ -85,6 +85,16 @@ def test_cpu_smoke_kernels_and_sweep(tmp_path):
     assert not [s for s in data["sweep"] if "error" in s]
 
 
+@pytest.mark.cpu
+def test_cpu_smoke_decode_sweep(tmp_path):
+    """``--sweep`` at a decode batch times the decode query's launch configurations."""
+    data = _run(tmp_path, "--cases", "decode1", "--ops", "query_fp8", "--sweep")
+    variants = [s["variant"] for s in data["sweep"] if s["op"] == "query_fp8"]
+    assert variants[0] == "decode1: heuristic" and len(variants) == 3, variants
+    assert all(v.startswith("decode1: QueryConfig(") for v in variants[1:]), variants
+    assert not [s for s in data["sweep"] if "error" in s]
+
+
 def test_dry_run_and_bad_options(capsys):
     parser = __import__("argparse").ArgumentParser()
     bench.add_arguments(parser)

@@ -613,12 +613,20 @@ def run(args: argparse.Namespace) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         print(f"  done {case} ({time.perf_counter() - started:.0f} s)")
-    sweep = []
+    sweep: list[dict] = []
     if args.sweep and "prefill" in case_keys:
         sweep = run_sweep(
             op_keys, cases["prefill"], dims, device, gen, cos, sin, timer, copy_tbps,
             limit=2 if args.cpu_smoke else None,
         )  # fmt: skip
+    decode_keys = [k for k in case_keys if k != "prefill"]
+    query_keys = [k for k in op_keys if OPS_BY_KEY[k].kind == "query"]
+    if args.sweep and decode_keys and query_keys:
+        for case in decode_keys:
+            sweep += run_decode_sweep(
+                query_keys, case, cases[case], dims, device, gen, cos, sin, timer,
+                limit=2 if args.cpu_smoke else None,
+            )  # fmt: skip
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
     table = markdown_table(rows, meta)
     print(table)
@@ -778,6 +786,55 @@ def run_sweep(
     return results
 
 
+def run_decode_sweep(
+    op_keys, case: str, tokens: int, dims, device, gen, cos, sin, timer, limit: int | None = None
+) -> list[dict]:
+    """The decode query at a decode batch under other launch configurations (the first
+    ``limit`` of them): one token a program, 1 to 16 heads, 128 to 512 latent channels a step,
+    1 to 4 warps; timed as the main table times decode (CUDA-graph replays over rotated input
+    sets). Rows: ``op``, ``variant`` (``case: config``), ``ms``."""
+    from mlarope.kernels import serving as kernels
+    from mlarope.serving import ops
+
+    configs = [
+        kernels.QueryConfig(1, bh, bc, w)
+        for bc in (512, 256, 128)
+        for bh in (1, 2, 4, 8, 16)
+        for w in (1, 2, 4)
+        if 8 <= bh * bc // (32 * w) <= 32
+    ]
+    results = []
+    for key in op_keys:
+        op = OPS_BY_KEY[key]
+        use_graph = isinstance(timer, CudaTimer)
+        nbytes = bytes_moved(op, tokens, dims)
+        sets = rotation_sets(nbytes, timer.l2_bytes, timer.max_graph_calls) if use_graph else 1
+        inputs = [make_inputs(op, tokens, dims, device, gen, False) for _ in range(sets)]
+        dtype = torch.float8_e4m3fn if op.fp8_out else dims.dtype
+        outs = [torch.empty(tokens, dims.heads, dims.latent + dims.rope, dtype=dtype,
+                            device=device) for _ in inputs]  # fmt: skip
+
+        def calls(config, inputs=inputs, outs=outs, op=op):
+            def one(inp, out):
+                return lambda: ops.query_with_kernel(
+                    inp.q_nope, inp.q_pe, cos, sin, inp.positions, out,
+                    inp.scale if op.fp8_out else None, 1.0, True, True, config=config,
+                )  # fmt: skip
+
+            return [one(inp, out) for inp, out in zip(inputs, outs, strict=True)]
+
+        for label, config in [("heuristic", None), *((str(c), c) for c in configs[:limit])]:
+            try:
+                fns = calls(config)
+                t: Timing = timer.graph(fns) if use_graph else timer.large(fns[0])
+                results.append({"op": key, "variant": f"{case}: {label}", "ms": t.median,
+                                "pct_copy": float("nan")})  # fmt: skip
+            except Exception as exc:
+                results.append({"op": key, "variant": f"{case}: {label}", "error": str(exc)[:200]})
+        del inputs, outs
+    return results
+
+
 def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -820,8 +877,8 @@ def _sweep_table(sweep: list[dict]) -> str:
         if "error" in s:
             lines.append(f"| {s['op']} | {s['variant']} | ERROR {s['error']} | |")
         else:
-            lines.append(f"| {s['op']} | {s['variant']} | {s['ms'] * 1e3:.1f} | "
-                         f"{s['pct_copy']:.0f}% |")  # fmt: skip
+            pct = "-" if math.isnan(s["pct_copy"]) else f"{s['pct_copy']:.0f}%"
+            lines.append(f"| {s['op']} | {s['variant']} | {s['ms'] * 1e3:.2f} | {pct} |")
     return "\n".join(lines) + "\n"
 
 
