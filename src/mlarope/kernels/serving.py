@@ -451,6 +451,10 @@ def choose_append_config(n_tokens: int, latent: int) -> AppendConfig:
 _QUERY_MIN_PROGRAMS = 528
 # Elements a prefill program moves a step (one warp's worth, 32 a thread).
 _QUERY_PREFILL_ELEMENTS = 1024
+# Head rows up to which a batch takes the decode tiles even with enough programs for the
+# prefill tile: 256 tokens of 128 heads took 17.8 us with the decode tile (4 heads x 512
+# channels, 2 warps) against 19.7 with the prefill tile (run H6's decode sweep).
+_QUERY_WHOLE_ROW_ROWS = 32768
 
 
 def choose_query_config(n_tokens: int, n_heads: int, latent: int) -> QueryConfig:
@@ -461,13 +465,16 @@ def choose_query_config(n_tokens: int, n_heads: int, latent: int) -> QueryConfig
     the copy, where the key/value forward's tile of 16 heads and two warps took 976.3 us,
     87 %; docs/perf_log.md v15). Decode batches, where the 16-head tile gives fewer than
     ``_QUERY_MIN_PROGRAMS`` programs (64 tokens of 128 heads and fewer: one token was 8
-    programs, 5.1 us against FlashInfer's 2.4, run G1): the whole latent row in one step (no
-    loop, so each program's loads are all in flight at once), and fewer heads per program,
-    down to one, until the grid has that many programs or each program holds one head."""
+    programs, 5.1 us against FlashInfer's 2.4, run G1), and batches of up to
+    ``_QUERY_WHOLE_ROW_ROWS`` head rows (256 tokens of 128 heads): the whole latent row in one
+    step (no loop, so each program's loads are all in flight at once), and fewer heads per
+    program, down to one, until the grid has that many programs or each program holds one
+    head."""
     block_c = min(next_power_of_2(latent), 128)
     decode_h = min(next_power_of_2(n_heads), max(1, 2048 // block_c))
     decode_t = min(next_power_of_2(n_tokens), max(1, 2048 // (decode_h * block_c)))
-    if -(-n_tokens // decode_t) * -(-n_heads // decode_h) < _QUERY_MIN_PROGRAMS:
+    small = n_tokens * n_heads <= _QUERY_WHOLE_ROW_ROWS
+    if small or -(-n_tokens // decode_t) * -(-n_heads // decode_h) < _QUERY_MIN_PROGRAMS:
         block_t, block_c = 1, next_power_of_2(latent)
         block_h = min(next_power_of_2(n_heads), max(1, 2048 // block_c))
         while block_h > 1 and n_tokens * -(-n_heads // block_h) < _QUERY_MIN_PROGRAMS:
