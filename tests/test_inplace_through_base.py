@@ -130,3 +130,75 @@ def test_only_whole_contiguous_views_of_non_leaves():
     assert not autograd.rotates_whole_base(leaf.view(4, 2, 3))  # the leaf path
     with torch.no_grad():
         assert not autograd.rotates_whole_base(base.view(4, 2, 3))
+
+
+# ------------------------------------------------------------- found by review (each failed)
+def test_a_view_made_inside_a_custom_function_raises_as_pytorch_does(device):
+    """Its custom backward (or a module's full backward hook) must not be skipped: PyTorch
+    refuses the in-place write, through the compat function too."""
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view(x.shape)
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    x, w, cos, sin, _, tokens = _layer(device, "sbhd")
+    q = Twice.apply(torch.nn.functional.linear(x, w)).view(*tokens, H, N + R)
+    with pytest.raises(RuntimeError, match="custom Function"):
+        megatron.fused_apply_mla_rope_for_q(q, cos[:, None, None], sin[:, None, None], N, R)
+    assert not autograd.rotates_whole_base(q)
+    parts = torch.nn.functional.linear(x, w).view(*tokens, H, N + R).unbind(0)
+    assert not autograd.rotates_whole_base(parts[0])  # one of several outputs
+
+
+@pytest.mark.parametrize("api", ["core", "compat"])
+def test_a_table_changed_before_the_backward_raises(device, api):
+    """The record's tensors are saved for the backward, as every other path saves them."""
+    x, w, cos, sin, _, tokens = _layer(device, "thd")
+    for _ in range(2):  # the first call records a launch plan, the second replays it
+        positions, table = torch.arange(S * B, device=device), cos.clone()
+        q = torch.nn.functional.linear(x, w).view(*tokens, H, N + R)
+        if api == "core":
+            mlarope.apply_rope_q(q, table, sin, layout="thd", position_ids=positions, inplace=True)
+            changed = positions
+        else:
+            cu = torch.tensor([0, S * B], device=device)
+            q = megatron.fused_apply_mla_rope_for_q(
+                q, table[:, None, None], sin[:, None, None], N, R, cu
+            )  # fmt: skip
+            changed = table
+        loss = q.square().sum()
+        with torch.no_grad():
+            changed.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(loss, (x,))
+
+
+def test_a_hook_on_the_returned_query(device):
+    """Registering a hook on ``q`` right after the call (its history then stale) crashed torch
+    (a segmentation fault in torch's own ``register_hook`` on such a view)."""
+    x, w, cos, sin, kwargs, tokens = _layer(device, "sbhd")
+    seen = []
+    for _ in range(2):
+        q = _step(x, w, cos, sin, kwargs, tokens, view=True)
+        q.register_hook(lambda g: seen.append(g.shape))
+        q.sum().backward()
+    assert seen == [q.shape, q.shape]
+
+
+def test_inplace_backward_does_not_rotate_a_shared_gradient(device):
+    """The base's gradient reaches the rotation as it is; where the base also feeds an add,
+    that tensor is the other operand's gradient too, so it is rotated out of place."""
+    x, w, cos, sin, kwargs, tokens = _layer(device, "sbhd")
+    other = torch.randn(*tokens, H * (N + R), device=device, requires_grad=True)
+    base = torch.nn.functional.linear(x, w)
+    q = base.view(*tokens, H, N + R)
+    mlarope.apply_rope_q(q, cos, sin, inplace=True, inplace_backward=True, **kwargs)
+    g = torch.randn(*tokens, H * (N + R), device=device)
+    g0 = g.clone()
+    _, g_other = torch.autograd.grad(base + other, (x, other), g)
+    assert torch.equal(g_other, g0) and torch.equal(g, g0)

@@ -249,10 +249,8 @@ def rope_q_differentiable(
         return _Q.compiled.apply(q, *call_args(call), False, inplace_backward)
     call = search_for_backward(q, call)
     if inplace and rotates_whole_base(q):
-        _ThroughBase.apply(
-            q._base, q.shape, lambda x: run_q_(x, call),
-            lambda g: _q_gradient(_ready(g), call, inplace_backward),
-        )  # fmt: skip
+        _ThroughBase.apply(q._base, q.shape, lambda x: run_q_(x, call), call)
+        q.grad_fn  # noqa: B018 (rebuilds q's history now: a hook on a stale view crashes torch)
         return q
     return _Q.pick().apply(q, *call_args(call), inplace, inplace_backward)
 
@@ -273,6 +271,7 @@ def rotates_whole_base(q: Tensor) -> bool:
     return (
         base is not None
         and not base.is_leaf
+        and _created_plainly(q)
         and _fwad._current_level < 0
         and not torch._C._are_functorch_transforms_active()
         and torch.is_grad_enabled()
@@ -285,21 +284,35 @@ def rotates_whole_base(q: Tensor) -> bool:
     )
 
 
+def _created_plainly(q: Tensor) -> bool:
+    """``q`` a view made by a view op in plain autograd: not inside a custom autograd function
+    (whose backward a new view of the base would skip; a module's full backward hook wraps its
+    inputs so) and not one of several outputs (``split``, ``unbind``), which PyTorch forbids
+    writing in place. Unknown (a torch without the query): no."""
+    meta = getattr(torch._C._autograd, "_get_creation_meta", None)
+    return meta is not None and meta(q) == torch._C._autograd.CreationMeta.DEFAULT
+
+
 class _ThroughBase(torch.autograd.Function):
     """``rotate(q)`` in place (the kernels, no autograd), declared on ``base``, which ``q``
-    reshapes whole (:func:`rotates_whole_base`); the backward is ``transpose`` of the base's
-    gradient reshaped as ``q``. Inputs: ``base``, ``q``'s shape, ``rotate``, ``transpose``."""
+    reshapes whole (:func:`rotates_whole_base`); the backward is ``R^T`` of the base's gradient
+    reshaped as ``q``, out of place: the base's gradient may be another branch's too (``base +
+    y`` hands one tensor to both), which ``inplace_backward`` does not vouch for. Inputs:
+    ``base``, ``q``'s shape, ``rotate``, the call's record (its tensors saved as the pipeline's
+    nodes save them, so that an in-place change to a table before the backward raises)."""
 
     @staticmethod
-    def forward(ctx, base, shape, rotate, transpose):
+    def forward(ctx, base, shape, rotate, call):
         rotate(base.view(shape))  # which bumps the version counter once, as the other paths
         ctx.mark_dirty(base)
-        ctx.shape, ctx.transpose = shape, transpose
+        _save(ctx, call)
+        ctx.shape = shape
         return base
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.transpose(grad.reshape(ctx.shape)).reshape(grad.shape), None, None, None
+        g = _q_gradient(_ready(grad.reshape(ctx.shape)), _saved(ctx), False)
+        return g.reshape(grad.shape), None, None, None
 
 
 def _grad_rotatable_in_place(grad: Tensor) -> bool:
@@ -575,9 +588,7 @@ def replay(plan: _plans.GradPlan, inputs: tuple):
             plan.forward.run((x, *tables))
             torch.autograd.graph.increment_version(x)  # the kernel wrote through a pointer
 
-        _ThroughBase.apply(
-            q._base, q.shape, rotate,
-            lambda g: _q_gradient(_ready(g), call, plan.inplace_backward),
-        )  # fmt: skip
+        _ThroughBase.apply(q._base, q.shape, rotate, call)
+        q.grad_fn  # noqa: B018 (as in rope_q_differentiable)
         return q
     return _apply_replayed(plan, *inputs)
