@@ -53,11 +53,11 @@ Error model, model level (``y`` = logits and the gradient of every parameter, ea
   within ``1.5 G`` of the unpatched one (measured 0.6-1.25). ``G`` leaves out the tensors whose
   unpatched deviation is as large as the tensor itself: values that are zero in exact
   arithmetic, such as deepseek_v4's router gate gradient with every expert used (relative
-  deviations of 1e12 to 1e13, noise over noise, which alone made ``G`` 0.23 to 3.95 by seed and
-  device: 3.95 on the H200, run H1); the per-tensor bound still covers them. A wrong pair
-  layout gives a per-tensor ratio of 12 to 50 in most families (``test_negative_control``;
-  bailing_hybrid, whose one MLA layer of two moves the outputs little, 2-5: its wrong rotation
-  is caught by the fp32 test).
+  deviations of 1e12 to 1e14, noise over noise, which alone made ``G`` 0.23 to 3.95 by seed
+  and device: 3.95 on the H200, docs/perf_log.md v15); the per-tensor bound still covers them.
+  A wrong pair layout gives a per-tensor ratio of 12 to 50 in most families
+  (``test_negative_control``; bailing_hybrid, whose one MLA layer of two moves the outputs
+  little, 2-5: its wrong rotation is caught by the fp32 test).
   No discrete choice may depend on the rope's rounding in bf16: every routed expert is used
   (``num_experts_per_tok = n_routed_experts``) and the DSA indexers select every key (sequence
   8 <= ``index_topk``); the fp32 run uses a sequence of 12, so the indexers' selection, and with it

@@ -453,7 +453,7 @@ _QUERY_MIN_PROGRAMS = 528
 _QUERY_PREFILL_ELEMENTS = 1024
 # Head rows up to which a batch takes the decode tiles even with enough programs for the
 # prefill tile: 256 tokens of 128 heads took 17.8 us with the decode tile (4 heads x 512
-# channels, 2 warps) against 19.7 with the prefill tile (run H6's decode sweep).
+# channels, 2 warps) against 19.7 with the prefill tile (docs/perf_log.md v15).
 _QUERY_WHOLE_ROW_ROWS = 32768
 
 
