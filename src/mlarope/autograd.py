@@ -261,10 +261,11 @@ def rotates_whole_base(q: Tensor) -> bool:
     ``q`` a view (not of a leaf) that is its whole contiguous base reshaped, as
     ``linear(x).view(S, B, H, D)`` is (Megatron-Core's query), in plain eager autograd.
 
-    Marking a view dirty makes autograd rebase it (a ``CopySlices`` node), whose backward
-    copies the base's whole gradient three times: on the H200, 0.43 ms of a 14.6 ms
-    Megatron-Core layer step at sbhd 4,096, which made the patch 2 % slower than Megatron's
-    fused kernels (docs/perf_log.md v15). Marking the base dirty is the same
+    Marking a view dirty makes autograd rebase it (a ``CopySlices`` node, whose backward
+    allocates the base's gradient anew and copies it three times) and regenerate the view's
+    history as an ``as_strided`` view (a zero fill and a copy): on the H200 those device copies
+    took 0.43 ms of a 14.6 ms Megatron-Core layer step at sbhd 4,096, which made the patch 2 %
+    slower than Megatron's fused kernels (docs/perf_log.md v15). Marking the base dirty is the same
     declaration: every view of it, ``q`` too, takes its new history the next time autograd
     sees it, and any op that saved the base or a view of it raises at backward time."""
     base = q._base

@@ -453,7 +453,9 @@ _QUERY_MIN_PROGRAMS = 528
 _QUERY_PREFILL_ELEMENTS = 1024
 # Head rows up to which a batch takes the decode tiles even with enough programs for the
 # prefill tile: 256 tokens of 128 heads took 17.8 us with the decode tile (4 heads x 512
-# channels, 2 warps) against 19.7 with the prefill tile (docs/perf_log.md v15).
+# channels, 2 warps) against 19.7 with the prefill tile (docs/perf_log.md v15). Timed at 128
+# heads only: fewer heads and more tokens (16 x 2,048) take the decode tiles by the same count,
+# untimed.
 _QUERY_WHOLE_ROW_ROWS = 32768
 
 
@@ -465,7 +467,7 @@ def choose_query_config(n_tokens: int, n_heads: int, latent: int) -> QueryConfig
     the copy, where the key/value forward's tile of 16 heads and two warps took 976.3 us,
     87 %; docs/perf_log.md v15). Decode batches, where the 16-head tile gives fewer than
     ``_QUERY_MIN_PROGRAMS`` programs (64 tokens of 128 heads and fewer: one token was 8
-    programs, 5.1 us against FlashInfer's 2.4, run G1), and batches of up to
+    programs, 5.1 us against FlashInfer's 2.4, docs/perf_log.md v13), and batches of up to
     ``_QUERY_WHOLE_ROW_ROWS`` head rows (256 tokens of 128 heads): the whole latent row in one
     step (no loop, so each program's loads are all in flight at once), and fewer heads per
     program, down to one, until the grid has that many programs or each program holds one

@@ -26,7 +26,8 @@ decode query and the output op:
 
 Targets (judged on the GPU): prefill >= 90 % of the copy; decode host time <= 15 us.
 ``--sweep`` also times other launch configurations and the integer FP8 encoder on the prefill
-batch. Writes ``OUT/serving.json`` and ``OUT/serving.md`` with ``--out OUT``.
+batch, and the decode query's launch configurations at each decode batch. Writes
+``OUT/serving.json`` and ``OUT/serving.md`` with ``--out OUT``.
 What the compiler makes of the serving kernels (no GPU) is
 ``python benchmarks/serving_kernel_report.py``.
 """
@@ -791,8 +792,11 @@ def run_decode_sweep(
 ) -> list[dict]:
     """The decode query at a decode batch under other launch configurations (the first
     ``limit`` of them): one token a program, 1 to 16 heads, 128 to 512 latent channels a step,
-    1 to 4 warps; timed as the main table times decode (CUDA-graph replays over rotated input
-    sets). Rows: ``op``, ``variant`` (``case: config``), ``ms``."""
+    1 to 4 warps; timed by CUDA-graph replays over rotated input sets, as the main table times
+    decode, but with an output buffer per input set where the main table's call allocates its
+    own, so compare the rows with each other, not with the main table. Ops that write into a
+    caller's buffer are left out (they would time the same launches). Rows: ``op``, ``variant``
+    (``case: config``), ``ms``; ``pct_copy`` None."""
     from mlarope.kernels import serving as kernels
     from mlarope.serving import ops
 
@@ -806,6 +810,8 @@ def run_decode_sweep(
     results = []
     for key in op_keys:
         op = OPS_BY_KEY[key]
+        if op.out_given:
+            continue
         use_graph = isinstance(timer, CudaTimer)
         nbytes = bytes_moved(op, tokens, dims)
         sets = rotation_sets(nbytes, timer.l2_bytes, timer.max_graph_calls) if use_graph else 1
@@ -828,7 +834,7 @@ def run_decode_sweep(
                 fns = calls(config)
                 t: Timing = timer.graph(fns) if use_graph else timer.large(fns[0])
                 results.append({"op": key, "variant": f"{case}: {label}", "ms": t.median,
-                                "pct_copy": float("nan")})  # fmt: skip
+                                "pct_copy": None})  # fmt: skip
             except Exception as exc:
                 results.append({"op": key, "variant": f"{case}: {label}", "error": str(exc)[:200]})
         del inputs, outs
@@ -877,7 +883,7 @@ def _sweep_table(sweep: list[dict]) -> str:
         if "error" in s:
             lines.append(f"| {s['op']} | {s['variant']} | ERROR {s['error']} | |")
         else:
-            pct = "-" if math.isnan(s["pct_copy"]) else f"{s['pct_copy']:.0f}%"
+            pct = "-" if s["pct_copy"] is None else f"{s['pct_copy']:.0f}%"
             lines.append(f"| {s['op']} | {s['variant']} | {s['ms'] * 1e3:.2f} | {pct} |")
     return "\n".join(lines) + "\n"
 
