@@ -9,7 +9,7 @@ For a tiny model of ``FAMILY`` (default ``deepseek_v4``) in bf16 on ``DEVICE`` (
   patched over unpatched) of the patched run, the fused reference's (the PyTorch backend
   computing the kernels' fused products) and the rounding emulation's;
 - whether the kernels equal the fused reference bit for bit, and the worst per-tensor ratio;
-- the six tensors with the largest relative deviation, for each of the four runs.
+- the six tensors the patched run deviates most on, with each run's relative deviation.
 
 How the tenth session found that ``deepseek_v4``'s bf16 ``G`` on the H200 (3.95) was its router
 gate's gradient alone, zero in exact arithmetic (docs/perf_log.md v15). Developer tooling: it

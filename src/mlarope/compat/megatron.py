@@ -429,7 +429,8 @@ def fused_apply_mla_rope_for_q(
 
     Returns:
         ``t`` itself, rotated in place, rope channels as two halves (for a leaf that requires
-        grad, a tensor on its storage, as :func:`fused_mla_rope_inplace` returns).
+        grad, a tensor on its storage; for a ``t`` that requires grad and reshapes its whole
+        non-leaf base, a new view of that base: as :func:`fused_mla_rope_inplace` returns).
     """
     fn = "fused_apply_mla_rope_for_q"
     kwargs = _q_kwargs(
