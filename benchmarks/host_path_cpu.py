@@ -6,7 +6,9 @@ One decode token at DeepSeek-V3 shapes on CPU tensors under Triton's interpreter
 made twice for real (the second records its launch plan), then the recorded launch is replaced
 by a no-op and the plan path (signature, lookup, guard, allocation) is timed, best of 15 loops
 of 2,000 calls. A proxy for the host time of the same calls on a GPU machine, minus the launch
-itself: compare two versions by pointing PYTHONPATH at each (docs/perf_log.md, v12).
+itself: compare two versions by pointing PYTHONPATH at each (docs/perf_log.md, v12). The last
+four rows are an in-place query call with gradients (forward, and forward + backward), on a
+view of a projection's output and on a query that is its own tensor (v15).
 """
 
 from __future__ import annotations
@@ -44,6 +46,24 @@ def main() -> None:
             kv, k_pe, cos, sin, k_dim=128, copy_v=False, **thd
         ),
     }
+    # With gradients: Megatron-Core's in-place query, a view of a projection's output
+    # (docs/perf_log.md v15), forward alone and forward + backward, against a query that is its
+    # own tensor.
+    x = torch.randn(1, 128 * 192, requires_grad=True)
+    g = torch.randn(1, 128, 192)
+
+    def with_grad(own: bool, backward: bool):
+        q = (x * 1.0).view(1, 128, 192)
+        out = mlarope.apply_rope_q(q.clone() if own else q, cos, sin, inplace=True, **thd)
+        if backward:
+            out.backward(g)
+
+    calls.update({
+        "q inplace grad, view": lambda: with_grad(False, False),
+        "q inplace grad, own tensor": lambda: with_grad(True, False),
+        "q inplace fwd+bwd, view": lambda: with_grad(False, True),
+        "q inplace fwd+bwd, own tensor": lambda: with_grad(True, True),
+    })  # fmt: skip
     for call in calls.values():
         call()
         call()
@@ -54,12 +74,13 @@ def main() -> None:
             call()
         gc.collect()
         loops = []
+        n = 300 if "grad" in name or "bwd" in name else 2000
         for _ in range(15):
             t0 = time.perf_counter()
-            for _ in range(2000):
+            for _ in range(n):
                 call()
-            loops.append((time.perf_counter() - t0) / 2000 * 1e6)
-        print(f"{name:28s} {min(loops):6.2f} us")
+            loops.append((time.perf_counter() - t0) / n * 1e6)
+        print(f"{name:30s} {min(loops):7.2f} us")
 
 
 if __name__ == "__main__":

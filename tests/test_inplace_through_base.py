@@ -112,12 +112,12 @@ def test_an_op_that_saved_the_view_raises(device):
 def test_double_backward_matches(device):
     x, w, cos, sin, kwargs, tokens = _layer(device, "sbhd")
     grads = []
-    for view in (True, False):
+    for view in (True, True, False):  # the second call replays the first one's launch plan
         q = _step(x, w, cos, sin, kwargs, tokens, view=view)
         (gx,) = torch.autograd.grad((q**2).sum(), (x,), create_graph=True)
         (gw,) = torch.autograd.grad(gx.sum(), (w,))
         grads.append(gw)
-    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(grads[0], grads[2]) and torch.equal(grads[1], grads[2])
 
 
 def test_only_whole_contiguous_views_of_non_leaves():
@@ -202,3 +202,28 @@ def test_inplace_backward_does_not_rotate_a_shared_gradient(device):
     g0 = g.clone()
     _, g_other = torch.autograd.grad(base + other, (x, other), g)
     assert torch.equal(g_other, g0) and torch.equal(g, g0)
+
+
+def test_transforms_and_compile_take_the_view_path(device):
+    """torch.func, forward-mode AD and torch.compile mark the view itself dirty (the path
+    before): the same gradients as for a query that is its own tensor."""
+    x, w, cos, sin, kwargs, tokens = _layer(device, "sbhd")
+    w = w.detach()
+
+    def loss(x, own: bool = False):
+        q = torch.nn.functional.linear(x, w).view(*tokens, H, N + R)
+        q = q.clone() if own else q
+        return mlarope.apply_rope_q(q, cos, sin, inplace=True, **kwargs).square().sum()
+
+    x0 = x.detach()
+    want = torch.func.grad(lambda x: loss(x, own=True))(x0)
+    assert torch.equal(torch.func.grad(loss)(x0), want)
+    tangent = torch.randn_like(x0)
+    with torch.autograd.forward_ad.dual_level():
+        jvp = torch.autograd.forward_ad.unpack_dual(
+            loss(torch.autograd.forward_ad.make_dual(x0, tangent))
+        ).tangent
+    torch.testing.assert_close(jvp, (want * tangent).sum(), rtol=1e-5, atol=1e-5)
+    xc = x0.clone().requires_grad_(True)
+    torch.compile(loss, backend="aot_eager", fullgraph=True)(xc).backward()
+    assert torch.equal(xc.grad, want)

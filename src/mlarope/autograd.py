@@ -249,9 +249,7 @@ def rope_q_differentiable(
         return _Q.compiled.apply(q, *call_args(call), False, inplace_backward)
     call = search_for_backward(q, call)
     if inplace and rotates_whole_base(q):
-        _ThroughBase.apply(q._base, q.shape, lambda x: run_q_(x, call), call)
-        q.grad_fn  # noqa: B018 (rebuilds q's history now: a hook on a stale view crashes torch)
-        return q
+        return _rotate_through_base(q, lambda x: run_q_(x, call), call, None)
     return _Q.pick().apply(q, *call_args(call), inplace, inplace_backward)
 
 
@@ -275,6 +273,7 @@ def rotates_whole_base(q: Tensor) -> bool:
         and _created_plainly(q)
         and _fwad._current_level < 0
         and not torch._C._are_functorch_transforms_active()
+        and not _functorch.is_functorch_wrapped_tensor(q)
         and torch.is_grad_enabled()
         and q.requires_grad
         and base.dtype == q.dtype
@@ -299,21 +298,39 @@ class _ThroughBase(torch.autograd.Function):
     reshapes whole (:func:`rotates_whole_base`); the backward is ``R^T`` of the base's gradient
     reshaped as ``q``, out of place: the base's gradient may be another branch's too (``base +
     y`` hands one tensor to both), which ``inplace_backward`` does not vouch for. Inputs:
-    ``base``, ``q``'s shape, ``rotate``, the call's record (its tensors saved as the pipeline's
-    nodes save them, so that an in-place change to a table before the backward raises)."""
+    ``base``, ``q``'s shape, ``rotate``, then either the pipeline's record and None, or None
+    and the launch plan of a replayed call with the record's ``cos, sin[, ids]`` (the backward
+    replays the plan's recorded launches). The record's tensors are saved as the other nodes
+    save them, so that an in-place change to a table before the backward raises."""
 
     @staticmethod
-    def forward(ctx, base, shape, rotate, call):
+    def forward(ctx, base, shape, rotate, call, plan, *tables):
         rotate(base.view(shape))  # which bumps the version counter once, as the other paths
         ctx.mark_dirty(base)
-        _save(ctx, call)
-        ctx.shape = shape
+        if plan is None:
+            _save(ctx, call)
+        else:
+            ctx.save_for_backward(*tables)
+        ctx.shape, ctx.plan, ctx.n_tables = shape, plan, len(tables)
         return base
 
     @staticmethod
     def backward(ctx, grad):
-        g = _q_gradient(_ready(grad.reshape(ctx.shape)), _saved(ctx), False)
-        return g.reshape(grad.shape), None, None, None
+        g, plan = _ready(grad.reshape(ctx.shape)), ctx.plan
+        if plan is None:
+            g = _q_gradient(g, _saved(ctx), False)
+        elif plan.inplace_backward:  # its recorded backward may rotate in place
+            g = _q_gradient(g, _call_of(plan, ctx.saved_tensors, g), False)
+        else:
+            g = _replayed_gradients(plan, (g,), ctx.saved_tensors)[0]
+        return (g.reshape(grad.shape), *(None,) * (4 + ctx.n_tables))
+
+
+def _rotate_through_base(q: Tensor, rotate, call, plan, tables=()) -> Tensor:
+    """``q`` rotated in place by ``rotate``, declared on its base (:class:`_ThroughBase`)."""
+    _apply_through_base(q._base, q.shape, rotate, call, plan, *tables)
+    q.grad_fn  # noqa: B018 (rebuilds q's history now: a hook on a stale view crashes torch)
+    return q
 
 
 def _grad_rotatable_in_place(grad: Tensor) -> bool:
@@ -496,36 +513,38 @@ class _Replayed(torch.autograd.Function):
                 for g in grads
             )
             return (None, *results, *(None,) * (len(saved)))
-        grads = tuple(_ready(g) for g in grads)
-        inputs = (*grads, *saved)
-        results = None
-        # A double backward (gradients that require grad) and compiled autograd (traced
-        # tensors) run the op's own backward: autograd records it, or the compiler traces it.
-        plain = not needs_autograd(*grads) and not _in_compiled_autograd()
-        if plain:
-            entry = plan.find_backward(inputs)
-            if entry is not _plans.MISSING:
-                replay, in_place = entry
-                if replay is not None and replay.fits(inputs):
-                    outs = replay.run(inputs)
-                    if in_place:
-                        torch.autograd.graph.increment_version(grads[0])
-                        results = (grads[0],)
-                    else:
-                        results = tuple(outs)
-                plain = False  # recorded already: nothing to note
-        if results is None:
-            if plain:
-                from .kernels._launch import recording
-
-                with recording() as launches:
-                    results = _replayed_backward(plan, grads, saved)
-                plan.record_backward(inputs, results, launches)
-            else:
-                results = _replayed_backward(plan, grads, saved)
+        results = _replayed_gradients(plan, tuple(_ready(g) for g in grads), saved)
         if plan.op == "kv":
             results = (results[0], results[1].view(ctx.k_pe_shape))
         return (None, *results, *(None,) * (len(saved)))
+
+
+def _replayed_gradients(plan, grads: tuple, saved: tuple) -> tuple:
+    """The gradients of a replayed call (``grads`` ready for the kernels, ``saved`` the record's
+    ``cos, sin[, ids]``): the launches its first backward with the same gradient metadata
+    made, or the op's own backward, recorded for the next time."""
+    inputs = (*grads, *saved)
+    # A double backward (gradients that require grad) and compiled autograd (traced tensors)
+    # run the op's own backward: autograd records it, or the compiler traces it.
+    plain = not needs_autograd(*grads) and not _in_compiled_autograd()
+    if plain:
+        entry = plan.find_backward(inputs)
+        if entry is not _plans.MISSING:
+            replay, in_place = entry
+            if replay is not None and replay.fits(inputs):
+                outs = replay.run(inputs)
+                if in_place:
+                    torch.autograd.graph.increment_version(grads[0])
+                    return (grads[0],)
+                return tuple(outs)
+            return _replayed_backward(plan, grads, saved)  # recorded already: nothing to note
+        from .kernels._launch import recording
+
+        with recording() as launches:
+            results = _replayed_backward(plan, grads, saved)
+        plan.record_backward(inputs, results, launches)
+        return results
+    return _replayed_backward(plan, grads, saved)
 
 
 def _record_tensors(x: Tensor, tables: tuple) -> tuple:
@@ -572,6 +591,10 @@ if _function_base_apply is not None and hasattr(_function_base_apply, "__get__")
     # transforms and unwraps their dead wrappers, neither of which a replayed call can meet
     # (the signature refuses an active transform and any tensor that is not plain).
     _apply_replayed = _function_base_apply.__get__(None, _Replayed)
+_apply_through_base = _ThroughBase.apply
+if _function_base_apply is not None and hasattr(_function_base_apply, "__get__"):
+    # The same for calls through a base: rotates_whole_base refuses torch.func transforms.
+    _apply_through_base = _function_base_apply.__get__(None, _ThroughBase)
 
 
 def replay(plan: _plans.GradPlan, inputs: tuple):
@@ -583,13 +606,10 @@ def replay(plan: _plans.GradPlan, inputs: tuple):
         tables = inputs[1:]
         cos, sin, _, position_ids, _ = _record_tensors(q, tables)
         saved = (cos, sin) if position_ids is None else (cos, sin, position_ids)
-        call = _call_of(plan, saved, q)
 
         def rotate(x: Tensor) -> None:
             plan.forward.run((x, *tables))
             torch.autograd.graph.increment_version(x)  # the kernel wrote through a pointer
 
-        _ThroughBase.apply(q._base, q.shape, rotate, call)
-        q.grad_fn  # noqa: B018 (as in rope_q_differentiable)
-        return q
+        return _rotate_through_base(q, rotate, None, plan, saved)
     return _apply_replayed(plan, *inputs)
