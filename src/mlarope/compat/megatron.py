@@ -297,13 +297,14 @@ def _rope_q(
                     t.copy_(out)
                 return out
             t = _LeafAlias.apply(t)
+        # Where the call marks t's base dirty (t reshapes its whole base), a new view of the
+        # base differentiates as a view; t itself takes the base's new history as an
+        # as_strided view, whose backward copies the gradient twice.
+        through_base = (
+            inplace and not torch.compiler.is_compiling() and _autograd.rotates_whole_base(t)
+        )
         out = mlarope.apply_rope_q(t, cos, sin, inplace=inplace, **kwargs)
-        if inplace and not torch.compiler.is_compiling() and _autograd.rotates_whole_base(out):
-            # The call marked the base dirty (it reshapes the whole base): a new view of the
-            # base differentiates as a view; ``t`` itself would take the base's new history as
-            # an as_strided view, whose backward copies the gradient twice.
-            return out._base.view(out.shape)
-        return out
+        return out._base.view(out.shape) if through_base else out
 
 
 # ---------------------------------------------------------------------------------------------
