@@ -753,7 +753,6 @@ def run_sweep(
             dtype = torch.float8_e4m3fn if op.fp8_out else dims.dtype
             out = torch.empty(tokens, dims.heads, dims.latent + dims.rope, dtype=dtype,
                               device=device)  # fmt: skip
-            scale = inp.scale if op.fp8_out else None
             # 16 or 32 elements a thread per copy step
             configs = [
                 kernels.QueryConfig(1, bh, bc, w)
@@ -763,11 +762,8 @@ def run_sweep(
                 if bh * bc // (32 * w) in (16, 32)
             ]
 
-            def launch(config, inp=inp, out=out, scale=scale):
-                ops.query_with_kernel(
-                    inp.q_nope, inp.q_pe, cos, sin, inp.positions, out, scale, 1.0, True, True,
-                    config=config,
-                )  # fmt: skip
+            def launch(config, inp=inp, out=out, op=op):
+                _query_launch(op, inp, out, cos, sin, config)
 
         variants = [(str(c), c, True) for c in configs[:limit]]
         if op.fp8_out or _fp8_cache(op) or op.fmt in ("fp8_656", "fp8_584"):
@@ -787,6 +783,16 @@ def run_sweep(
     return results
 
 
+def _query_launch(op, inp, out, cos, sin, config) -> None:
+    """The decode query kernel on ``inp`` into ``out`` under ``config`` (the sweeps' launch)."""
+    from mlarope.serving import ops
+
+    scale = inp.scale if op.fp8_out else None
+    ops.query_with_kernel(
+        inp.q_nope, inp.q_pe, cos, sin, inp.positions, out, scale, 1.0, True, True, config=config
+    )
+
+
 def run_decode_sweep(
     op_keys, case: str, tokens: int, dims, device, gen, cos, sin, timer, limit: int | None = None
 ) -> list[dict]:
@@ -798,7 +804,6 @@ def run_decode_sweep(
     caller's buffer are left out (they would time the same launches). Rows: ``op``, ``variant``
     (``case: config``), ``ms``; ``pct_copy`` None."""
     from mlarope.kernels import serving as kernels
-    from mlarope.serving import ops
 
     configs = [
         kernels.QueryConfig(1, bh, bc, w)
@@ -821,13 +826,10 @@ def run_decode_sweep(
                             device=device) for _ in inputs]  # fmt: skip
 
         def calls(config, inputs=inputs, outs=outs, op=op):
-            def one(inp, out):
-                return lambda: ops.query_with_kernel(
-                    inp.q_nope, inp.q_pe, cos, sin, inp.positions, out,
-                    inp.scale if op.fp8_out else None, 1.0, True, True, config=config,
-                )  # fmt: skip
-
-            return [one(inp, out) for inp, out in zip(inputs, outs, strict=True)]
+            return [
+                lambda inp=inp, out=out: _query_launch(op, inp, out, cos, sin, config)
+                for inp, out in zip(inputs, outs, strict=True)
+            ]
 
         for label, config in [("heuristic", None), *((str(c), c) for c in configs[:limit])]:
             try:
