@@ -1,12 +1,13 @@
 """Triton kernels and launchers of :mod:`mlarope.serving`.
 
-- ``_rope_append_kernel``: one program owns ``BLOCK_T`` tokens. It reads each token's slot,
-  skips tokens whose slot is not in the cache (``-1`` padding, or out of range), rotates
-  ``k_pe`` in fp32 at the token's position, and writes the cache entry: the latent ``kv_c``
-  (copied, or quantized to FP8 with a per-tensor scale or with FlashMLA's per-tile power-of-two
-  scales, which the program computes: fp32 scales of 128-channel tiles for ``fp8_656``, UE8M0
-  exponent bytes of 64-channel tiles for ``fp8_584``) and the rotated rope values (rounded once
-  to the cache's dtype, or quantized).
+- ``_rope_append_kernel``: one program owns ``BLOCK_T`` tokens. It loads each token's slot,
+  position and inputs at once (no load waits on another, except the table rows on the
+  position), writes nothing for a token whose slot is not in the cache (``-1`` padding, or out
+  of range), rotates ``k_pe`` in fp32 at the token's position, and writes the cache entry:
+  the latent ``kv_c`` (copied, or quantized to FP8 with a per-tensor scale or with FlashMLA's
+  per-tile power-of-two scales, which the program computes: fp32 scales of 128-channel tiles
+  for ``fp8_656``, UE8M0 exponent bytes of 64-channel tiles for ``fp8_584``) and the rotated
+  rope values (rounded once to the cache's dtype, or quantized).
 - ``_rope_decode_query_kernel``: one program owns ``BLOCK_T`` tokens x ``BLOCK_H`` heads of
   ``[T, H, L + R]``: the absorbed nope channels copied (or quantized), the rope channels
   rotated in fp32 and rounded (or quantized) once.
@@ -251,8 +252,23 @@ def _rope_append_kernel(
 ):  # fmt: skip
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     m_t = o_t < n_tokens
+    # Every load of the inputs is masked by the token count alone, so all of them go out at
+    # once: none waits on the slot (a token outside the cache reads its own rows of the inputs
+    # and writes nothing). Only the table's rows wait, on the position.
     slot = tl.load(slot_ptr + o_t * stride_slot, mask=m_t, other=-1).to(tl.int64)
-    # A token whose slot is not in the cache (-1: padding) reads and writes nothing.
+    pos = tl.load(pos_ptr + o_t * stride_pos, mask=m_t, other=0).to(tl.int64)
+    c = tl.arange(0, BLOCK_L)[None, :]
+    x = tl.load(kvc_ptr + o_t[:, None] * stride_kvc + c, mask=m_t[:, None] & (c < L), other=0)
+    a, b = _load_pairs(
+        kpe_ptr, (o_t * stride_kpe)[:, None, None], m_t[:, None, None], BLOCK_T, 1, HALF,
+        INTERLEAVED_IN,
+    )  # fmt: skip
+    in_range = (pos >= 0) & (pos < n_rows)
+    j = tl.arange(0, HALF)
+    c_a, c_b, s_a, s_b = load_table_halves(
+        cos_ptr, sin_ptr, pos, m_t & in_range, stride_table, j, HALF
+    )
+    # A token whose slot is not in the cache (-1: padding) writes nothing.
     m_w = m_t & (slot >= 0) & (slot < n_slots)
     slot = tl.where(m_w, slot, 0)
     # A shift where the page size is a power of two (a 64-bit division is a long emulated
@@ -262,13 +278,10 @@ def _rope_append_kernel(
     else:
         block = slot // block_size
     entry = slot - block * block_size
-    pos = tl.load(pos_ptr + o_t * stride_pos, mask=m_w, other=0).to(tl.int64)
     scale = _per_tensor_scale(scale_ptr, scale_value, SCALE_MODE)
 
     # The latent part.
-    c = tl.arange(0, BLOCK_L)[None, :]
     m_c = m_w[:, None] & (c < L)
-    x = tl.load(kvc_ptr + o_t[:, None] * stride_kvc + c, mask=m_c, other=0)
     nope_row = (block * stride_nope_b + entry * stride_nope_s)[:, None]
     if NOPE_MODE == COPY:
         tl.store(nope_ptr + nope_row + c, x, mask=m_c)
@@ -304,15 +317,7 @@ def _rope_append_kernel(
         tl.store(tile_ptr + tile_row + i, scale_bits, mask=m_w[:, None] & (i < L // 128))
 
     # The rope part: k_pe rotated at the token's position (NaN for a position outside the table).
-    in_range = (pos >= 0) & (pos < n_rows)
-    j = tl.arange(0, HALF)
-    c_a, c_b, s_a, s_b = load_table_halves(
-        cos_ptr, sin_ptr, pos, m_w & in_range, stride_table, j, HALF
-    )
     m_pe = m_w[:, None, None]
-    a, b = _load_pairs(
-        kpe_ptr, (o_t * stride_kpe)[:, None, None], m_pe, BLOCK_T, 1, HALF, INTERLEAVED_IN
-    )
     out_a, out_b = rotate(
         a, b, c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :],
         (o_t < 0)[:, None, None], (~in_range)[:, None, None], False, False,
