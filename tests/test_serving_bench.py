@@ -3,6 +3,7 @@ tiny shapes, host timers; the numbers mean nothing, the code paths run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,18 +15,29 @@ import mlarope.kernels.q
 import mlarope.kernels.serving  # noqa: F401
 from mlarope.tools.bench import serving as bench
 
+# 16,384 positions drawn uniformly from 32,768 rows: 32768 * (1 - (1 - 1/32768) ** 16384)
+# distinct rows expected, read once each: cos and sin, fp32, 32 entries (pair tables) or 64
+PREFILL_ROWS = 12893
+PAIR_ROW, FULL_ROW = 2 * 32 * 4, 2 * 64 * 4
+
 
 def test_bytes_model_deepseek_v3():
     dims = bench.Dims()
     t = 16384
     op = bench.OPS_BY_KEY
+    table = PREFILL_ROWS * PAIR_ROW
     # read kv_c and k_pe (576 bf16), write the entry (576 of the cache's dtype)
-    assert bench.bytes_moved(op["append_concat_bf16"], t, dims) == t * 576 * (2 + 2)
-    assert bench.bytes_moved(op["append_split_fp8"], t, dims) == t * 576 * (2 + 1)
-    assert bench.bytes_moved(op["append_fp8_656"], t, dims) == t * (576 * 2 + 656)
+    assert bench.bytes_moved(op["append_concat_bf16"], t, dims) == t * 576 * (2 + 2) + table
+    assert bench.bytes_moved(op["append_split_fp8"], t, dims) == t * 576 * (2 + 1) + table
+    assert bench.bytes_moved(op["append_fp8_656"], t, dims) == t * (576 * 2 + 656) + table
     # read q_nope and q_pe, write [T, H, 576] per token and head
-    assert bench.bytes_moved(op["query_bf16"], t, dims) == t * 128 * 576 * (2 + 2)
-    assert bench.bytes_moved(op["query_fp8_out"], t, dims) == t * 128 * 576 * (2 + 1)
+    assert bench.bytes_moved(op["query_bf16"], t, dims) == t * 128 * 576 * (2 + 2) + table
+    assert bench.bytes_moved(op["query_fp8_out"], t, dims) == t * 128 * 576 * (2 + 1) + table
+    # full tables: twice the table bytes
+    full = dataclasses.replace(dims, pair_tables=False)
+    assert bench.table_bytes(op["append_concat_bf16"], t, full) == PREFILL_ROWS * FULL_ROW
+    # a decode token's row is almost surely its own: T rows (up to rounding)
+    assert bench.table_bytes(op["query_fp8"], 1, dims) == PAIR_ROW
 
 
 def test_bytes_model_deepseek_v4():
@@ -33,10 +45,15 @@ def test_bytes_model_deepseek_v4():
     t = 16384
     op = bench.OPS_BY_KEY
     # read kv_c (448) and k_pe (64) in bf16, write 584 bytes (a 576-byte data row, 8 of scales)
-    assert bench.bytes_moved(op["append_fp8_584"], t, dims) == t * (512 * 2 + 584)
-    # read o [T, 128, 512] bf16, write the codes and one fp32 scale per 128 channels
+    assert bench.bytes_moved(op["append_fp8_584"], t, dims) == (
+        t * (512 * 2 + 584) + PREFILL_ROWS * PAIR_ROW
+    )
+    # read o [T, 128, 512] bf16, write the codes and one fp32 scale per 128 channels; its
+    # tables are the full ones whatever --tables says (the op takes [P, R] only)
     for key in ("output_fp8", "output_fp8_vllm"):
-        assert bench.bytes_moved(op[key], t, dims) == t * 128 * (512 * 2 + 512 + 4 * 4)
+        assert bench.bytes_moved(op[key], t, dims) == (
+            t * 128 * (512 * 2 + 512 + 4 * 4) + PREFILL_ROWS * FULL_ROW
+        )
     assert dims.heads // dims.heads_per_group == 16  # V4-Pro's o_groups
 
 
@@ -80,6 +97,8 @@ def test_cpu_smoke_kernels_and_sweep(tmp_path):
     assert ("append_fp8_656", "heuristic") in variants
     assert ("query_fp8", "heuristic, integer e4m3 encoder") in variants
     assert ("append_fp8_584", "heuristic, integer e4m3 encoder") in variants
+    assert ("append_fp8_584", "heuristic, every position 0") in variants
+    assert ("append_fp8_584", "heuristic, full tables") in variants
     assert ("output_fp8_vllm", "heuristic, integer e4m3 encoder") in variants
     assert any(op == "output_fp8_vllm" and "whole_row=True" in v for op, v in variants)
     assert not [s for s in data["sweep"] if "error" in s]
@@ -88,10 +107,12 @@ def test_cpu_smoke_kernels_and_sweep(tmp_path):
 @pytest.mark.cpu
 def test_cpu_smoke_decode_sweep(tmp_path):
     """``--sweep`` at a decode batch times the decode query's launch configurations."""
-    data = _run(tmp_path, "--cases", "decode1", "--ops", "query_fp8", "--sweep")
+    data = _run(tmp_path, "--cases", "decode1", "--ops", "query_fp8", "--sweep", "--tables", "full")
+    assert data["meta"]["dims"]["pair_tables"] == "False"
     variants = [s["variant"] for s in data["sweep"] if s["op"] == "query_fp8"]
-    assert variants[0] == "decode1: heuristic" and len(variants) == 3, variants
-    assert all(v.startswith("decode1: QueryConfig(") for v in variants[1:]), variants
+    assert variants[:2] == ["decode1: heuristic", "decode1: heuristic, float scale"], variants
+    assert len(variants) == 4, variants
+    assert all(v.startswith("decode1: QueryConfig(") for v in variants[2:]), variants
     assert not [s for s in data["sweep"] if "error" in s]
 
 

@@ -107,9 +107,14 @@ def check_layout(layout: object) -> str:
 
 
 def check_tables(
-    cos: object, sin: object, device: torch.device
+    cos: object, sin: object, device: torch.device, rope: tuple[str, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``cos, sin: [P, R]`` (singleton dims between allowed) -> two [P, R] views."""
+    """Validate ``cos, sin: [P, R]`` (singleton dims between allowed) -> two 2-D views.
+
+    ``rope``: ``(name, R)`` where the rope width comes from an input (the serving ops' ``k_pe``
+    and ``q_pe``), not from the tables; they may then also be pair tables ``[P, R / 2]``, one
+    entry per rotated pair (``c[j] = c[R / 2 + j]``, as every RoPE and YaRN table has; vLLM's and
+    FlashInfer's ``cos_sin_cache`` halves), which halves the table bytes a token reads."""
     cos = check_float_tensor("cos", cos)
     sin = check_float_tensor("sin", sin)
     if cos.shape != sin.shape:
@@ -128,7 +133,15 @@ def check_tables(
             raise ValueError(f"{name} must be on the input's device {device}, got {t.device}")
         check_last_dim_contiguous(name, t)
     rope_dim = cos.shape[-1]
-    if rope_dim not in ROPE_DIMS:
+    if rope is not None:
+        name, width = rope
+        if rope_dim not in (width, width // 2):
+            raise ValueError(
+                f"cos.shape[-1] must be the rope dim R = {name}.shape[-1] = {width} (tables "
+                f"[P, R]) or R / 2 = {width // 2} (pair tables [P, R / 2], one entry per pair), "
+                f"got {rope_dim} (cos shape {tuple(cos.shape)})"
+            )
+    elif rope_dim not in ROPE_DIMS:
         raise ValueError(
             f"rope dim R = cos.shape[-1] must be one of {ROPE_DIMS}, got {rope_dim} "
             f"(cos shape {tuple(cos.shape)})"

@@ -190,6 +190,22 @@ def _encode(x, scale, MODE: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _table_rows(cos_ptr, sin_ptr, pos, use_row, stride_table, j, HALF: tl.constexpr,
+                PAIR_TABLE: tl.constexpr):  # fmt: skip
+    """``(c_a, c_b, s_a, s_b)``, fp32 ``[BLOCK_T, HALF]`` each, of the rows ``cos[pos],
+    sin[pos]``: tables ``[P, R]`` split in halves, or pair tables ``[P, R / 2]`` (``PAIR_TABLE``),
+    whose one entry per pair serves both halves (half the bytes)."""
+    if PAIR_TABLE:
+        row = tl.where(use_row, pos, 0)[:, None] * stride_table
+        m = use_row[:, None]
+        c = to_f32(tl.load(cos_ptr + row + j[None, :], mask=m, other=1.0))
+        s = to_f32(tl.load(sin_ptr + row + j[None, :], mask=m, other=0.0))
+        return c, c, s, s
+    else:
+        return load_table_halves(cos_ptr, sin_ptr, pos, use_row, stride_table, j, HALF)
+
+
+@triton.jit
 def _load_pairs(ptr, row, m_row, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                 HALF: tl.constexpr, INTERLEAVED_IN: tl.constexpr):  # fmt: skip
     """fp32 pairs ``(a, b)``, ``[BLOCK_T, BLOCK_H, HALF]`` each, of the rows ``[..., R]`` at
@@ -225,7 +241,7 @@ def _store_pairs(ptr, row, m_row, a, b, BLOCK_T: tl.constexpr, BLOCK_H: tl.const
 def _rope_append_kernel(
     kvc_ptr,  # [T, L]: its bits (COPY) or its values (quantized)
     kpe_ptr,  # [T, R]
-    cos_ptr, sin_ptr,  # [P, R]
+    cos_ptr, sin_ptr,  # [P, R], or [P, R / 2] (PAIR_TABLE)
     pos_ptr,  # [T] int32 / int64
     slot_ptr,  # [T] int32 / int64: block * block_size + offset; outside the cache: skipped
     nope_ptr,  # bits of the latent's destination (concat: the cache; split: ckv)
@@ -242,6 +258,7 @@ def _rope_append_kernel(
     L: tl.constexpr,
     BLOCK_L: tl.constexpr,
     HALF: tl.constexpr,
+    PAIR_TABLE: tl.constexpr,  # cos, sin: [P, HALF], one entry per pair (else [P, 2 * HALF])
     BLOCK_T: tl.constexpr,
     NOPE_MODE: tl.constexpr,
     ROPE_MODE: tl.constexpr,
@@ -265,8 +282,8 @@ def _rope_append_kernel(
     )  # fmt: skip
     in_range = (pos >= 0) & (pos < n_rows)
     j = tl.arange(0, HALF)
-    c_a, c_b, s_a, s_b = load_table_halves(
-        cos_ptr, sin_ptr, pos, m_t & in_range, stride_table, j, HALF
+    c_a, c_b, s_a, s_b = _table_rows(
+        cos_ptr, sin_ptr, pos, m_t & in_range, stride_table, j, HALF, PAIR_TABLE
     )
     # A token whose slot is not in the cache (-1: padding) writes nothing.
     m_w = m_t & (slot >= 0) & (slot < n_slots)
@@ -335,7 +352,7 @@ def _rope_decode_query_kernel(
     qn_ptr,  # [T, H, L]: its bits (COPY) or its values (E4M3)
     qp_ptr,  # [T, H, R]
     out_ptr,  # bits of [T, H, L + R]
-    cos_ptr, sin_ptr,  # [P, R]
+    cos_ptr, sin_ptr,  # [P, R], or [P, R / 2] (PAIR_TABLE)
     pos_ptr,  # [T] int32 / int64
     scale_ptr,  # [1] fp32 dequant scale (SCALE_TENSOR); unused otherwise
     scale_value,  # fp32 dequant scale (SCALE_VALUE)
@@ -344,6 +361,7 @@ def _rope_decode_query_kernel(
     stride_pos, stride_table,
     L: tl.constexpr,
     HALF: tl.constexpr,
+    PAIR_TABLE: tl.constexpr,  # cos, sin: [P, HALF], one entry per pair (else [P, 2 * HALF])
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -367,8 +385,8 @@ def _rope_decode_query_kernel(
     qp_row = (o_t * stride_qp_t)[:, None, None] + (o_h * stride_qp_h)[None, :, None]
     a, b = _load_pairs(qp_ptr, qp_row, m_row, BLOCK_T, BLOCK_H, HALF, INTERLEAVED_IN)
     j = tl.arange(0, HALF)
-    c_a, c_b, s_a, s_b = load_table_halves(
-        cos_ptr, sin_ptr, pos, m_t & in_range, stride_table, j, HALF
+    c_a, c_b, s_a, s_b = _table_rows(
+        cos_ptr, sin_ptr, pos, m_t & in_range, stride_table, j, HALF, PAIR_TABLE
     )
 
     qn_row = (o_t * stride_qn_t)[:, None, None] + (o_h * stride_qn_h)[None, :, None]
@@ -528,13 +546,14 @@ def rope_append_launch(
     """Rotate and write ``T`` tokens into a paged cache.
 
     ``kv_c: [T, L]`` (its bits for ``nope_mode`` COPY), ``k_pe: [T, R]``, ``cos, sin: [P, R]``
-    (equal strides), ``positions, slot_mapping: [T]``; ``nope_dst: [blocks, block_size, >= L]``
-    and ``rope_dst: [blocks, block_size, >= rope_offset + R]`` integer views of the cache
-    (the same tensor for a concatenated layout; only their address, dtype and first two
-    strides are used); ``tiles``: the int32 view ``[blocks, block_size, 164]`` of fp8_656
-    records, or a ``uint8`` view whose entry ``(b, e)`` is ``tile_offset`` bytes before the
-    token's fp8_584 scale row, else None. ``tile_offset``: the first scale's offset in
-    ``tiles``' elements (default ``L / 4``: fp8_656's).
+    or pair tables ``[P, R / 2]`` (equal strides), ``positions, slot_mapping: [T]``;
+    ``nope_dst: [blocks, block_size, >= L]`` and ``rope_dst: [blocks, block_size, >=
+    rope_offset + R]`` integer views of the cache (the same tensor for a concatenated layout;
+    only their address, dtype and first two strides are used); ``tiles``: the int32 view
+    ``[blocks, block_size, 164]`` of fp8_656 records, or a ``uint8`` view whose entry
+    ``(b, e)`` is ``tile_offset`` bytes before the token's fp8_584 scale row, else None.
+    ``tile_offset``: the first scale's offset in ``tiles``' elements (default ``L / 4``:
+    fp8_656's).
     """
     n_tokens, latent = kv_c.shape
     if n_tokens == 0:
@@ -557,7 +576,7 @@ def rope_append_launch(
         nope_dst.stride(0), nope_dst.stride(1), rope_dst.stride(0), rope_dst.stride(1),
         stride_tile_b, stride_tile_s,
         rope_offset, tile_offset, _shift(nope_dst.shape[1]), latent, next_power_of_2(latent),
-        cos.shape[1] // 2,
+        k_pe.shape[1] // 2, cos.shape[1] * 2 == k_pe.shape[1],
         config.block_t, nope_mode, rope_mode, scale_mode, interleaved_in, interleaved_out,
         native_casts(),
     )  # fmt: skip
@@ -586,8 +605,9 @@ def rope_decode_query_launch(
     interleaved_out: bool,
     config: QueryConfig | None = None,
 ) -> None:
-    """``q_nope: [T, H, L]`` (its bits for ``nope_mode`` COPY), ``q_pe: [T, H, R]`` ->
-    ``out_bits``, the integer view of ``[T, H, L + R]``."""
+    """``q_nope: [T, H, L]`` (its bits for ``nope_mode`` COPY), ``q_pe: [T, H, R]``, ``cos,
+    sin: [P, R]`` or pair tables ``[P, R / 2]`` -> ``out_bits``, the integer view of
+    ``[T, H, L + R]``."""
     n_tokens, n_heads, latent = q_nope.shape
     if n_tokens == 0 or n_heads == 0:
         return
@@ -601,7 +621,8 @@ def rope_decode_query_launch(
         n_tokens, n_heads, n_head_blocks, cos.shape[0],
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         out_bits.stride(0), out_bits.stride(1), positions.stride(0), cos.stride(0),
-        latent, cos.shape[1] // 2, config.block_t, config.block_h, config.block_c,
+        latent, q_pe.shape[2] // 2, cos.shape[1] * 2 == q_pe.shape[2], config.block_t,
+        config.block_h, config.block_c,
         nope_mode, rope_mode, scale_mode, interleaved_in, interleaved_out, native_casts(),
     )  # fmt: skip
 

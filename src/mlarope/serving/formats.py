@@ -119,6 +119,16 @@ def _check_input(name: str, t: object, dims: int, shape: str) -> torch.Tensor:
     return t
 
 
+def _check_rope_dim(name: str, width: int) -> int:
+    """The rope width ``R`` of the op's rope input (the tables may be ``[P, R]`` or pair tables
+    ``[P, R / 2]``, so it comes from the input)."""
+    if width not in ROPE_DIMS:
+        raise ValueError(
+            f"the rope dim R = {name}.shape[-1] must be one of {ROPE_DIMS}, got {width}"
+        )
+    return width
+
+
 def _check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} and {ref_name} must share a dtype, got {t.dtype} and {ref.dtype}")
@@ -280,14 +290,9 @@ def check_append_call(
             f"{tuple(k_pe.shape)}"
         )
     check_last_dim_contiguous("k_pe", k_pe)
-    cos2d, sin2d = check_tables(cos, sin, kv_c.device)
+    rope_dim = _check_rope_dim("k_pe", k_pe.shape[1])
+    cos2d, sin2d = check_tables(cos, sin, kv_c.device, ("k_pe", rope_dim))
     check_tables_constant(cos, sin)
-    rope_dim = cos2d.shape[1]
-    if k_pe.shape[1] != rope_dim:
-        raise ValueError(
-            f"k_pe.shape[-1] must equal the rope dim R = cos.shape[-1] = {rope_dim}, got "
-            f"{k_pe.shape[1]}"
-        )
     positions = _check_index("positions", positions, n_tokens, kv_c.device)
     slot_mapping = _check_index("slot_mapping", slot_mapping, n_tokens, kv_c.device)
     check_bool("interleaved", interleaved)
@@ -361,7 +366,7 @@ def _check_fp8_656(cache: object, latent: int, rope_dim: int, device) -> torch.T
     if latent != FP8_656_LATENT or rope_dim != FP8_656_ROPE:
         raise ValueError(
             f"cache_format='fp8_656' holds L = {FP8_656_LATENT} latent and R = {FP8_656_ROPE} "
-            f"rope values a token, got L = kv_c.shape[1] = {latent}, R = cos.shape[-1] = "
+            f"rope values a token, got L = kv_c.shape[1] = {latent}, R = k_pe.shape[-1] = "
             f"{rope_dim}"
         )
     cache = _check_cache_tensor("cache", cache, device)
@@ -432,7 +437,7 @@ def _check_fp8_584(cache: object, latent: int, rope_dim: int, device) -> torch.T
         raise ValueError(
             f"cache_format='fp8_584' holds L = {FP8_584_LATENT} latent and R = {FP8_584_ROPE} "
             f"rope values a token (DeepSeek-V4's head: [nope 448 | rope 64]), got L = "
-            f"kv_c.shape[1] = {latent}, R = cos.shape[-1] = {rope_dim}"
+            f"kv_c.shape[1] = {latent}, R = k_pe.shape[-1] = {rope_dim}"
         )
     cache = check_tensor("cache", cache)
     if cache.device != device:
@@ -550,14 +555,9 @@ def check_query_call(
             f"q_pe must be [T, H, R] with q_nope's T, H = {tuple(q_nope.shape[:2])}, got shape "
             f"{tuple(q_pe.shape)}"
         )
-    cos2d, sin2d = check_tables(cos, sin, q_nope.device)
+    rope_dim = _check_rope_dim("q_pe", q_pe.shape[2])
+    cos2d, sin2d = check_tables(cos, sin, q_nope.device, ("q_pe", rope_dim))
     check_tables_constant(cos, sin)
-    rope_dim = cos2d.shape[1]
-    if q_pe.shape[2] != rope_dim:
-        raise ValueError(
-            f"q_pe.shape[-1] must equal the rope dim R = cos.shape[-1] = {rope_dim}, got "
-            f"{q_pe.shape[2]}"
-        )
     positions = _check_index("positions", positions, n_tokens, q_nope.device)
     check_bool("interleaved", interleaved)
     check_bool("interleaved_out", interleaved_out)

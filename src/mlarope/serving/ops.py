@@ -204,7 +204,7 @@ def rope_decode_query_impl(
 ) -> Tensor:  # fmt: skip
     """The same into a new contiguous ``[T, H, L + R]`` tensor."""
     out = q_nope.new_empty(
-        (*q_nope.shape[:2], q_nope.shape[2] + cos.shape[1]),
+        (*q_nope.shape[:2], q_nope.shape[2] + q_pe.shape[2]),
         dtype=torch.float8_e4m3fn if fp8 else q_nope.dtype,
     )
     rope_decode_query_out_impl(
@@ -295,6 +295,6 @@ def _query_out_fake(*args) -> None:
 @rope_decode_query_op.register_fake
 def _query_fake(q_nope, q_pe, cos, sin, positions, fp8, *args):
     return q_nope.new_empty(
-        (*q_nope.shape[:2], q_nope.shape[2] + cos.shape[1]),
+        (*q_nope.shape[:2], q_nope.shape[2] + q_pe.shape[2]),
         dtype=torch.float8_e4m3fn if fp8 else q_nope.dtype,
     )

@@ -159,13 +159,16 @@ def rotate_rope(
 ) -> torch.Tensor:
     """``x: [T, R]`` or ``[T, H, R]`` rotated at ``positions: [T]`` in fp32 -> fp32, same shape
     (``inverse``: by the negated angle); a position outside ``[0, P)`` gives NaN (``cos, sin:
-    [P, R]``). Each product and sum is rounded to fp32 (PyTorch's own arithmetic)."""
+    [P, R]``, or pair tables ``[P, R / 2]``: each entry serves both halves). Each product and
+    sum is rounded to fp32 (PyTorch's own arithmetic)."""
     pos = positions.to(torch.int64)
     rows = cos.shape[0]
     in_range = (pos >= 0) & (pos < rows)
     index = pos.clamp(0, rows - 1)
     c = cos.to(torch.float32)[index]
     s = sin.to(torch.float32)[index]
+    if 2 * c.shape[-1] == x.shape[-1]:
+        c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)
     heads = x.dim() == 3
     rotated = rotate_pairs(
         (x if heads else x.unsqueeze(1)).to(torch.float32), c, s,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -71,6 +72,9 @@ class Dims:
     v4_latent: int = 448  # DeepSeek-V4's nope width: fp8_584's latent
     head_dim: int = 512  # DeepSeek-V4's head, [nope 448 | rope 64]: the output op's D
     heads_per_group: int = 8  # V4's o_groups split its heads in groups of 8 (Pro: 128 / 16)
+    # The append and the query are given pair tables [P, R / 2] (an engine's cos_sin_cache
+    # halves; FlashInfer's input too), else the full tables [P, R] (--tables full).
+    pair_tables: bool = True
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,9 @@ SMOKE_CASES = {"prefill": 16, "decode1": 1, "decode8": 8}
 
 
 def bytes_moved(op: OpSpec, tokens: int, dims: Dims) -> int:
-    """Fewest bytes a call moves: each input read once, each output written once; tables,
-    positions and slots not counted (16 bytes a token, mostly L2 hits). ``e``: the activation
-    dtype's bytes.
+    """Fewest bytes a call moves: each input read once, each output written once, and the
+    table rows the positions select (:func:`table_bytes`); positions and slots not counted (16
+    bytes a token). ``e``: the activation dtype's bytes.
 
     - append, concat / split: read ``kv_c`` and ``k_pe`` (``(L + R) * e``), write the entry
       (``(L + R)`` elements of the cache's dtype) per token;
@@ -122,6 +126,23 @@ def bytes_moved(op: OpSpec, tokens: int, dims: Dims) -> int:
     - output: read ``o`` (``D * e``), write ``D`` codes and ``D / 128`` fp32 scales per token
       and head.
     """
+    return _data_bytes(op, tokens, dims) + table_bytes(op, tokens, dims)
+
+
+def table_bytes(op: OpSpec, tokens: int, dims: Dims) -> int:
+    """The fp32 ``cos`` and ``sin`` rows of the distinct positions: the benchmark's positions
+    are uniform over the table's ``P`` rows, ``P * (1 - (1 - 1/P) ** T)`` distinct ones
+    expected (12,893 of 16,384 prefill tokens), each row read from memory once (do_bench flushes
+    the L2 before each prefill call; decode rotates input sets past it). 512 bytes a row of the
+    full tables, 256 of pair tables: a sixth of the bytes of a DeepSeek-V3 bf16 append, a
+    third of an fp8_584 one's (docs/perf_log.md v16); under a thousandth of the query's."""
+    p = dims.positions
+    rows = round(p * -math.expm1(tokens * math.log1p(-1.0 / p)))
+    width = dims.rope // 2 if dims.pair_tables and op.kind != "output" else dims.rope
+    return rows * 2 * width * 4
+
+
+def _data_bytes(op: OpSpec, tokens: int, dims: Dims) -> int:
     e = torch.empty((), dtype=dims.dtype).element_size()
     width = dims.latent + dims.rope
     if op.kind == "output":
@@ -232,9 +253,22 @@ def _fp8_cache(op: OpSpec) -> bool:
     return op.cache_dtype == torch.float8_e4m3fn
 
 
-def ours(op: OpSpec, inp: Inputs, cos, sin) -> Callable[[], object]:
+def rope_tables(op: OpSpec, dims: Dims, cos, sin):
+    """The tables ours is given: with ``dims.pair_tables`` the append and the query take the
+    pair tables ``[P, R / 2]`` (column views of the ``[P, R]`` tables, as an engine's
+    ``cos_sin_cache`` halves are), else (and the output op, which takes ``[P, R]`` only) the
+    full tables."""
+    if dims.pair_tables and op.kind != "output":
+        half = cos.shape[1] // 2
+        return cos[:, :half], sin[:, :half]
+    return cos, sin
+
+
+def ours(op: OpSpec, inp: Inputs, cos, sin, dims: Dims) -> Callable[[], object]:
     """The call through the public API (its eager plan after the first call)."""
     from mlarope.serving import rope_append_kv_cache, rope_decode_query, rope_inverse_quant_output
+
+    cos, sin = rope_tables(op, dims, cos, sin)
 
     if op.kind == "output":
         return lambda: rope_inverse_quant_output(
@@ -381,7 +415,7 @@ def compare(op: OpSpec, dims: Dims, device, cos, sin, seed: int, fi=None) -> dic
     relative, and a scale-sized floor)."""
     gen = torch.Generator().manual_seed(seed)
     a = make_inputs(op, 64, dims, device, gen, prefill=True)
-    x = _readback(op, a, ours(op, a, cos, sin)(), dims)
+    x = _readback(op, a, ours(op, a, cos, sin, dims)(), dims)
     fp8 = _fp8_cache(op) or op.fp8_out or op.fmt in ("fp8_656", "fp8_584")
     rel = 2.0**-3 if fp8 else 2.0**-7
     floor = float(a.scale) * 2.0**-9 if fp8 else 0.0
@@ -526,6 +560,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", default="all", help=f"comma list of {','.join(OPS_BY_KEY)}")
     parser.add_argument("--sweep", action="store_true", help="also time other launch configs")
     parser.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer's rows")
+    parser.add_argument(
+        "--tables", choices=("pair", "full"), default="pair",
+        help="the append's and the query's tables: pair [P, R / 2] (default) or full [P, R]",
+    )  # fmt: skip
     parser.add_argument("--warmup-ms", type=float, default=25.0)
     parser.add_argument("--rep-ms", type=float, default=100.0)
     parser.add_argument("--copy-mib", type=int, default=1024)
@@ -552,6 +590,7 @@ def _select(spec: str, choices, what: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     dims = Dims(heads=8, positions=4096, heads_per_group=4) if args.cpu_smoke else Dims()
+    dims = dataclasses.replace(dims, pair_tables=args.tables == "pair")
     cases = SMOKE_CASES if args.cpu_smoke else CASES
     try:
         case_keys = _select(args.cases, cases, "cases")
@@ -646,7 +685,7 @@ def _measure(row, op, tokens, prefill, dims, device, gen, cos, sin, timer, fi) -
     use_graph = not prefill and isinstance(timer, CudaTimer)
     sets = rotation_sets(row.bytes, timer.l2_bytes, timer.max_graph_calls) if use_graph else 1
     inputs = [make_inputs(op, tokens, dims, device, gen, prefill) for _ in range(sets)]
-    mine = [ours(op, inp, cos, sin) for inp in inputs]
+    mine = [ours(op, inp, cos, sin, dims) for inp in inputs]
     theirs = [unfused(op, inp, cos, sin) for inp in inputs]
     t = timer.graph(mine) if use_graph else timer.large(mine[0])
     row.ours_ms, row.method = [t.q20, t.median, t.q80], t.method
@@ -698,7 +737,12 @@ def run_sweep(
 ) -> list[dict]:
     """The prefill batch under other launch configurations (the first ``limit`` of them), and
     FP8 with the integer encoder (``kernels.serving.NATIVE_CASTS = False``): kernel time and %
-    of copy."""
+    of copy. Each launch is captured in a CUDA graph and its replays timed by ``do_bench``, the
+    L2 flushed before each: a launch through Triton's own binder, as here, can take longer on
+    the host than the flush on the GPU, and was then timed with its host time (run H3's split
+    FP8 append: 24-36 us in the sweep, 17.8 in the main table). The appends also run with
+    every position 0 (one table row, which stays in the L2: what the table rows cost) and with
+    the other tables (full or pair)."""
     from mlarope.kernels import output_quant
     from mlarope.kernels import serving as kernels
     from mlarope.serving import formats, ops
@@ -708,6 +752,7 @@ def run_sweep(
         op = OPS_BY_KEY[key]
         inp = make_inputs(op, tokens, dims, device, gen, prefill=True)
         nbytes = bytes_moved(op, tokens, dims)
+        extra = []  # (label, launch): the heuristic's launch on other inputs
         if op.kind == "output":
             # The whole-row variant first (perf_log v14: every load before the first store;
             # 16 to 64 elements a thread of the row), then 1 to 16 heads a program, 4 to 32
@@ -735,20 +780,36 @@ def run_sweep(
                 )  # fmt: skip
         elif op.kind == "append":
             scale = inp.scale if _fp8_cache(op) else None
-            call = formats.check_append_call(
-                inp.kv_c, inp.k_pe, cos, sin, inp.positions, inp.cache, inp.slots, op.fmt,
-                scale, True, True,
-            )  # fmt: skip
-            # 8 or 16 latent elements a thread, 1 to 16 tokens a program
+
+            def checked(tables, positions, inp=inp, scale=scale, op=op):
+                return formats.check_append_call(
+                    inp.kv_c, inp.k_pe, *tables, positions, inp.cache, inp.slots, op.fmt,
+                    scale, True, True,
+                )  # fmt: skip
+
+            tables = rope_tables(op, dims, cos, sin)
+            half = dims.rope // 2
+            other = (cos, sin) if dims.pair_tables else (cos[:, :half], sin[:, :half])
+            call = checked(tables, inp.positions)
+            # 8 to 32 latent elements a thread, 1 to 16 tokens a program
             configs = [
                 kernels.AppendConfig(bt, w)
                 for bt in (1, 2, 4, 8, 16)
                 for w in (1, 2, 4, 8)
-                if bt * dims.latent // (32 * w) in (8, 16)
+                if bt * dims.latent // (32 * w) in (8, 16, 32)
             ]
 
             def launch(config, call=call):
                 ops.append_with_kernel(*call.op_args(), config=config)
+
+            for label, c in (
+                ("heuristic, every position 0", checked(tables, torch.zeros_like(inp.positions))),
+                (
+                    f"heuristic, {'full' if dims.pair_tables else 'pair'} tables",
+                    checked(other, inp.positions),
+                ),
+            ):
+                extra.append((label, lambda c=c: ops.append_with_kernel(*c.op_args())))
         else:
             dtype = torch.float8_e4m3fn if op.fp8_out else dims.dtype
             out = torch.empty(tokens, dims.heads, dims.latent + dims.rope, dtype=dtype,
@@ -763,16 +824,18 @@ def run_sweep(
             ]
 
             def launch(config, inp=inp, out=out, op=op):
-                _query_launch(op, inp, out, cos, sin, config)
+                _query_launch(op, inp, out, *rope_tables(op, dims, cos, sin), config)
 
         variants = [(str(c), c, True) for c in configs[:limit]]
         if op.fp8_out or _fp8_cache(op) or op.fmt in ("fp8_656", "fp8_584"):
             variants.append(("heuristic, integer e4m3 encoder", None, False))
         variants.insert(0, ("heuristic", None, True))
-        for label, config, native in variants:
+        runs = [(label, native, lambda c=config: launch(c)) for label, config, native in variants]
+        runs += [(label, True, fn) for label, fn in extra]
+        for label, native, fn in runs:
             kernels.NATIVE_CASTS = native
             try:
-                t: Timing = timer.large(lambda config=config: launch(config))
+                t: Timing = timer.large_graphed(fn)
                 pct = 100.0 * nbytes / (t.median * 1e-3) / 1e12 / copy_tbps
                 results.append({"op": key, "variant": label, "ms": t.median, "pct_copy": pct})
             except Exception as exc:
@@ -783,14 +846,17 @@ def run_sweep(
     return results
 
 
-def _query_launch(op, inp, out, cos, sin, config) -> None:
-    """The decode query kernel on ``inp`` into ``out`` under ``config`` (the sweeps' launch)."""
+def _query_launch(op, inp, out, cos, sin, config, float_scale: bool = False) -> None:
+    """The decode query kernel on ``inp`` into ``out`` under ``config`` (the sweeps' launch);
+    ``float_scale``: FP8's scale as a Python float (FlashInfer's form), not a tensor."""
     from mlarope.serving import ops
 
-    scale = inp.scale if op.fp8_out else None
+    scale = inp.scale if op.fp8_out and not float_scale else None
+    value = float(inp.scale) if float_scale else 1.0
     ops.query_with_kernel(
-        inp.q_nope, inp.q_pe, cos, sin, inp.positions, out, scale, 1.0, True, True, config=config
-    )
+        inp.q_nope, inp.q_pe, cos, sin, inp.positions, out, scale, value, True, True,
+        config=config,
+    )  # fmt: skip
 
 
 def run_decode_sweep(
@@ -825,15 +891,20 @@ def run_decode_sweep(
         outs = [torch.empty(tokens, dims.heads, dims.latent + dims.rope, dtype=dtype,
                             device=device) for _ in inputs]  # fmt: skip
 
-        def calls(config, inputs=inputs, outs=outs, op=op):
+        tables = rope_tables(op, dims, cos, sin)
+
+        def calls(config, inputs=inputs, outs=outs, op=op, tables=tables, float_scale=False):
             return [
-                lambda inp=inp, out=out: _query_launch(op, inp, out, cos, sin, config)
+                lambda inp=inp, out=out: _query_launch(op, inp, out, *tables, config, float_scale)
                 for inp, out in zip(inputs, outs, strict=True)
             ]
 
-        for label, config in [("heuristic", None), *((str(c), c) for c in configs[:limit])]:
+        variants = [("heuristic", None), *((str(c), c) for c in configs[:limit])]
+        if op.fp8_out:  # FlashInfer's form of the scale; its float arrives with the launch
+            variants.insert(1, ("heuristic, float scale", "float"))
+        for label, config in variants:
             try:
-                fns = calls(config)
+                fns = calls(None, float_scale=True) if config == "float" else calls(config)
                 t: Timing = timer.graph(fns) if use_graph else timer.large(fns[0])
                 results.append({"op": key, "variant": f"{case}: {label}", "ms": t.median,
                                 "pct_copy": None})  # fmt: skip
@@ -850,7 +921,9 @@ def _fmt(x, spec: str, none: str = "-") -> str:
 def markdown_table(rows: list[Row], meta: dict) -> str:
     head = (
         f"serving bench, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
-        f"copy {meta['copy']['tbps']:.3f} TB/s, flashinfer: {meta['flashinfer']}\n\n"
+        f"copy {meta['copy']['tbps']:.3f} TB/s, flashinfer: {meta['flashinfer']}, "
+        f"{'pair tables [P, R / 2]' if meta['dims']['pair_tables'] == 'True' else 'full tables'}"
+        " (append, query)\n\n"
         "| case | op | MB | ours us (% copy) | same-bytes copy us | unfused us | speed-up | "
         "host us (torch op) | unfused host us | flashinfer us | check | target | status |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"

@@ -1,0 +1,196 @@
+"""Pair tables ``cos, sin: [P, R / 2]`` (one entry per rotated pair) in the append and the
+decode query: the same bits as the full tables ``[P, R]`` whose halves repeat them, on each
+backend (the Triton kernels, and on the CPU lane the PyTorch reference too), for every cache
+format, both layouts and the FP8 outputs; views of one FlashInfer / vLLM-style
+``cos_sin_cache [P, R]`` (cos then sin) are taken as they are; a width that is neither ``R`` nor
+``R / 2`` is refused with the value named."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+# Imported before a test sets TRITON_INTERPRET=0 for the PyTorch backend (see
+# test_serving_append.py).
+import mlarope.kernels.serving  # noqa: F401
+from mlarope import serving
+from tests.serving_support import model1_cache, tables
+
+T, ROWS, BLOCK = 6, 40, 4
+SLOTS = [5, -1, 0, 11, 3, 2]
+POSITIONS = [3, 9, ROWS + 2, 0, ROWS - 1, 17]  # one outside the table: NaN either way
+
+
+def _backends(device) -> list[str]:
+    return ["kernel"] if device.type == "cuda" else ["kernel", "reference"]
+
+
+def _on(backend: str, fn):
+    previous = os.environ.get("TRITON_INTERPRET")
+    if backend == "reference":
+        os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        return fn()
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def _pair_tables(rope: int, device):
+    """``(full, pair)``: YaRN tables ``[P, R]`` (their halves equal) and ``[P, R / 2]``."""
+    cos, sin = tables(rope, ROWS, device)
+    half = rope // 2
+    assert torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
+    return (cos, sin), (cos[:, :half].contiguous(), sin[:, :half].contiguous())
+
+
+def _cache(fmt: str, latent: int, rope: int, dtype, device):
+    gen = torch.Generator().manual_seed(3)
+    if fmt == "fp8_584":
+        return model1_cache(3, BLOCK, device, gen=gen)[1]
+    if fmt == "fp8_656":
+        raw = torch.randint(0, 256, (3, BLOCK, 656), generator=gen, dtype=torch.uint8)
+        return raw.to(device)
+
+    def alloc(width):
+        raw = torch.randint(0, 256, (3, BLOCK, width * dtype.itemsize), generator=gen)
+        return raw.to(torch.uint8).view(dtype).to(device)
+
+    if fmt == "concat":
+        return alloc(latent + rope)
+    return alloc(latent), alloc(rope)
+
+
+def _bytes(cache) -> list[torch.Tensor]:
+    parts = cache if isinstance(cache, tuple) else (cache,)
+    return [p.view(torch.uint8).clone() for p in parts]
+
+
+APPEND_CASES = [
+    # (format, latent, rope, cache dtype, interleaved, interleaved_out)
+    ("concat", 64, 64, torch.bfloat16, True, True),
+    ("concat", 40, 32, torch.bfloat16, False, False),
+    ("split", 64, 128, torch.bfloat16, True, False),
+    ("split", 64, 64, torch.float8_e4m3fn, False, True),
+    ("fp8_656", 512, 64, None, True, True),
+    ("fp8_584", 448, 64, None, True, True),
+]
+
+
+@pytest.mark.parametrize(
+    "fmt,latent,rope,cache_dtype,interleaved,interleaved_out",
+    APPEND_CASES,
+    ids=[f"{c[0]}-{c[2]}-{c[3]}-{c[4]}{c[5]}".replace("torch.", "") for c in APPEND_CASES],
+)
+def test_append_pair_tables_store_the_full_tables_bits(
+    device, fmt, latent, rope, cache_dtype, interleaved, interleaved_out
+):
+    gen = torch.Generator().manual_seed(5)
+    kv_c = torch.randn(T, latent, generator=gen).to(torch.bfloat16).to(device)
+    k_pe = torch.randn(T, rope, generator=gen).to(torch.bfloat16).to(device)
+    slots = torch.tensor(SLOTS, device=device)
+    positions = torch.tensor(POSITIONS, device=device)
+    full, pair = _pair_tables(rope, device)
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    dtype = cache_dtype or torch.uint8
+    results = {}
+    for backend in _backends(device):
+        for name, (cos, sin) in (("full", full), ("pair", pair)):
+            cache = _cache(fmt, latent, rope, dtype, device)
+
+            def call(cos=cos, sin=sin, cache=cache):
+                serving.rope_append_kv_cache(
+                    kv_c, k_pe, cos, sin, positions, cache, slots, cache_format=fmt,
+                    kv_scale=0.07 if fp8 else None, interleaved=interleaved,
+                    interleaved_out=interleaved_out,
+                )  # fmt: skip
+
+            _on(backend, call)
+            results[backend, name] = _bytes(cache)
+    for backend in _backends(device):
+        for a, b in zip(results[backend, "full"], results[backend, "pair"], strict=True):
+            assert torch.equal(a, b), f"{backend}: pair tables stored other bits"
+    written = results[_backends(device)[0], "pair"]
+    before = _bytes(_cache(fmt, latent, rope, dtype, device))
+    assert any(not torch.equal(a, b) for a, b in zip(written, before, strict=True))
+
+
+QUERY_CASES = [(None, True, True), (None, False, False), (torch.float8_e4m3fn, True, False)]
+
+
+@pytest.mark.parametrize("out_dtype,interleaved,interleaved_out", QUERY_CASES)
+def test_query_pair_tables_give_the_full_tables_bits(
+    device, out_dtype, interleaved, interleaved_out
+):
+    gen = torch.Generator().manual_seed(7)
+    q_nope = torch.randn(T, 3, 64, generator=gen).to(torch.bfloat16).to(device)
+    q_pe = torch.randn(T, 3, 64, generator=gen).to(torch.bfloat16).to(device)
+    positions = torch.tensor(POSITIONS, device=device)
+    full, pair = _pair_tables(64, device)
+    scale = 0.05 if out_dtype is not None else None
+    for backend in _backends(device):
+        outs = []
+        for cos, sin in (full, pair):
+
+            def call(cos=cos, sin=sin):
+                return serving.rope_decode_query(
+                    q_nope, q_pe, cos, sin, positions, out_dtype=out_dtype, q_scale=scale,
+                    interleaved=interleaved, interleaved_out=interleaved_out,
+                )  # fmt: skip
+
+            outs.append(_on(backend, call))
+        assert outs[1].shape == (T, 3, 128)
+        assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8)), backend
+
+
+def test_cos_sin_cache_views_are_taken_as_they_are(device):
+    """FlashInfer's and vLLM's ``cos_sin_cache [P, R]``: cos in the first half, sin in the
+    second; its two column views (row stride R, one storage) are pair tables."""
+    full, pair = _pair_tables(64, device)
+    cos_sin = torch.cat(pair, 1)
+    views = cos_sin[:, :32], cos_sin[:, 32:]
+    gen = torch.Generator().manual_seed(9)
+    kv_c = torch.randn(T, 64, generator=gen).to(torch.bfloat16).to(device)
+    k_pe = torch.randn(T, 64, generator=gen).to(torch.bfloat16).to(device)
+    slots = torch.tensor(SLOTS, device=device)
+    positions = torch.tensor(POSITIONS, device=device)
+    caches = []
+    for cos, sin in (full, views):
+        cache = torch.zeros(3, BLOCK, 128, dtype=torch.bfloat16, device=device)
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, cos, sin, positions, cache, slots, cache_format="concat"
+        )
+        caches.append(cache)
+    assert torch.equal(caches[0].view(torch.int16), caches[1].view(torch.int16))
+    assert caches[1].any()
+
+
+def test_table_width_neither_r_nor_half_is_refused():
+    kv_c = torch.zeros(T, 64, dtype=torch.bfloat16)
+    k_pe = torch.zeros(T, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, BLOCK, 128, dtype=torch.bfloat16)
+    index = torch.zeros(T, dtype=torch.int64)
+    cos = torch.zeros(ROWS, 128)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "cos.shape[-1] must be the rope dim R = k_pe.shape[-1] = 64 (tables [P, R]) or "
+            "R / 2 = 32 (pair tables [P, R / 2], one entry per pair), got 128"
+        ),
+    ):
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, cos, cos, index, cache, index, cache_format="concat"
+        )
+    q = torch.zeros(T, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("R = q_pe.shape[-1] = 64 (tables [P, R])")):
+        serving.rope_decode_query(q, q, torch.zeros(ROWS, 16), torch.zeros(ROWS, 16), index)
+    with pytest.raises(ValueError, match=re.escape("R = k_pe.shape[-1] must be one of")):
+        serving.rope_append_kv_cache(
+            kv_c, k_pe[:, :48], cos[:, :24], cos[:, :24], index,
+            torch.zeros(3, BLOCK, 112, dtype=torch.bfloat16), index, cache_format="concat",
+        )  # fmt: skip
