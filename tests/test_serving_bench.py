@@ -110,9 +110,13 @@ def test_cpu_smoke_decode_sweep(tmp_path):
     data = _run(tmp_path, "--cases", "decode1", "--ops", "query_fp8", "--sweep", "--tables", "full")
     assert data["meta"]["dims"]["pair_tables"] == "False"
     variants = [s["variant"] for s in data["sweep"] if s["op"] == "query_fp8"]
-    assert variants[:2] == ["decode1: heuristic", "decode1: heuristic, float scale"], variants
-    assert len(variants) == 4, variants
-    assert all(v.startswith("decode1: QueryConfig(") for v in variants[2:]), variants
+    assert variants[:3] == [
+        "decode1: heuristic", "decode1: heuristic, float scale",
+        "decode1: heuristic, float scale, x * (1 / s)",
+    ], variants  # fmt: skip
+    assert len(variants) == 5, variants
+    assert all(v.startswith("decode1: QueryConfig(") for v in variants[3:]), variants
+    assert mlarope.kernels.serving.RECIPROCAL_QUOTIENT is False  # measurement only: reset
     assert not [s for s in data["sweep"] if "error" in s]
 
 
@@ -138,7 +142,7 @@ def test_gpu_decode_host_path_is_the_plan():
     cos, sin = __import__("mlarope").YarnConfig.deepseek_v3().cos_sin(dims.positions, device="cuda")
     op = bench.OPS_BY_KEY["append_fp8_656"]
     inp = bench.make_inputs(op, 1, dims, torch.device("cuda"), gen, prefill=False)
-    call = bench.ours(op, inp, cos, sin)
+    call = bench.ours(op, inp, cos, sin, dims)
     call()
     call()
     (entries,) = LAUNCH_CACHE.plans.values()

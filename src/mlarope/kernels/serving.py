@@ -154,7 +154,9 @@ def quotient(x, scale, FAST: tl.constexpr):
     operations where ``div.rn.f32`` is a subroutine of about ten and a branch, which made the
     FP8 decode query issue-bound (docs/perf_log.md). Otherwise the division (Triton 3.6's
     interpreter rounds an fma twice)."""
-    if FAST:
+    if FAST == 2:  # RECIPROCAL_QUOTIENT: measurement only
+        q = x * tl.math.div_rn(1.0, scale)
+    elif FAST:
         if (scale >= 8.077935669463161e-28) & (scale <= 1.2379400392853803e27):
             inverse = tl.math.div_rn(1.0, scale)
             q = x * inverse
@@ -417,10 +419,20 @@ def _rope_decode_query_kernel(
 # tests check each path on its lane, and both on the GPU). The serving benchmark's --sweep
 # sets this to False to time the integer path on the GPU.
 NATIVE_CASTS = True
+# Measurement only, never on in a call of the library: the benchmark's decode sweep sets it to
+# time the per-tensor quantization as ``x * (1 / s)`` (one multiply an element, FlashInfer's
+# form, which can differ from ``x / s`` by an fp32 ulp near a tie) instead of the correctly
+# rounded quotient (``quotient``: three operations and a select), to measure what exactness
+# costs where FP8 outputs are compute-bound.
+RECIPROCAL_QUOTIENT = False
 
 
-def native_casts() -> bool:
-    return NATIVE_CASTS and not INTERPRETED
+def native_casts() -> int:
+    """The kernels' ``NATIVE``: 0 under the interpreter or with ``NATIVE_CASTS`` off, else 1
+    (2 with ``RECIPROCAL_QUOTIENT``)."""
+    if not NATIVE_CASTS or INTERPRETED:
+        return 0
+    return 2 if RECIPROCAL_QUOTIENT else 1
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}

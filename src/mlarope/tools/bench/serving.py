@@ -846,13 +846,14 @@ def run_sweep(
     return results
 
 
-def _query_launch(op, inp, out, cos, sin, config, float_scale: bool = False) -> None:
+def _query_launch(op, inp, out, cos, sin, config, float_scale: float | None = None) -> None:
     """The decode query kernel on ``inp`` into ``out`` under ``config`` (the sweeps' launch);
-    ``float_scale``: FP8's scale as a Python float (FlashInfer's form), not a tensor."""
+    ``float_scale``: FP8's scale as a Python float (FlashInfer's form; read from the tensor
+    before any capture, which a read would break), not the tensor."""
     from mlarope.serving import ops
 
-    scale = inp.scale if op.fp8_out and not float_scale else None
-    value = float(inp.scale) if float_scale else 1.0
+    scale = inp.scale if op.fp8_out and float_scale is None else None
+    value = 1.0 if float_scale is None else float_scale
     ops.query_with_kernel(
         inp.q_nope, inp.q_pe, cos, sin, inp.positions, out, scale, value, True, True,
         config=config,
@@ -892,24 +893,39 @@ def run_decode_sweep(
                             device=device) for _ in inputs]  # fmt: skip
 
         tables = rope_tables(op, dims, cos, sin)
+        values = [float(inp.scale) for inp in inputs]
 
-        def calls(config, inputs=inputs, outs=outs, op=op, tables=tables, float_scale=False):
+        def calls(
+            config, inputs=inputs, outs=outs, op=op, tables=tables, values=values,
+            float_scale=False,
+        ):  # fmt: skip
             return [
-                lambda inp=inp, out=out: _query_launch(op, inp, out, *tables, config, float_scale)
-                for inp, out in zip(inputs, outs, strict=True)
+                lambda inp=inp, out=out, v=v: _query_launch(
+                    op, inp, out, *tables, config, v if float_scale else None
+                )
+                for inp, out, v in zip(inputs, outs, values, strict=True)
             ]
 
         variants = [("heuristic", None), *((str(c), c) for c in configs[:limit])]
-        if op.fp8_out:  # FlashInfer's form of the scale; its float arrives with the launch
-            variants.insert(1, ("heuristic, float scale", "float"))
+        if op.fp8_out:
+            # FlashInfer's forms: the scale a float, which arrives with the launch; and, on top,
+            # x * (1 / s) for x / s (RECIPROCAL_QUOTIENT: inexact near ties, measurement only)
+            variants[1:1] = [("heuristic, float scale", "float"),
+                             ("heuristic, float scale, x * (1 / s)", "reciprocal")]  # fmt: skip
         for label, config in variants:
+            kernels.RECIPROCAL_QUOTIENT = config == "reciprocal"
             try:
-                fns = calls(None, float_scale=True) if config == "float" else calls(config)
+                fns = (
+                    calls(None, float_scale=True) if config in ("float", "reciprocal")
+                    else calls(config)
+                )  # fmt: skip
                 t: Timing = timer.graph(fns) if use_graph else timer.large(fns[0])
                 results.append({"op": key, "variant": f"{case}: {label}", "ms": t.median,
                                 "pct_copy": None})  # fmt: skip
             except Exception as exc:
                 results.append({"op": key, "variant": f"{case}: {label}", "error": str(exc)[:200]})
+            finally:
+                kernels.RECIPROCAL_QUOTIENT = False
         del inputs, outs
     return results
 
