@@ -12,7 +12,7 @@ import torch
 # Imported before a test sets TRITON_INTERPRET=0 for the PyTorch backend: Triton decides at a
 # kernel's import whether it runs interpreted.
 import mlarope.kernels.q
-import mlarope.kernels.serving  # noqa: F401
+import mlarope.kernels.serving
 from mlarope.tools.bench import serving as bench
 
 # 16,384 positions drawn uniformly from 32,768 rows: 32768 * (1 - (1 - 1/32768) ** 16384)
