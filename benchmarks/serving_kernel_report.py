@@ -49,13 +49,14 @@ def kernel_report() -> list[dict]:
 
     tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "scale_ptr": "*fp32"}
     rows = []
-    # (name, NOPE_MODE, ROPE_MODE, kv_c, destination, tiles, ROPE_OFFSET, TILE_OFFSET, L);
-    # fp8_584 at DeepSeek-V4's shapes (L = 448) and FlashMLA's block size of 64.
-    for name, nope_mode, rope_mode, kvc, dst, tiles, rope_at, tile_at, latent in (
-        ("append concat bf16", 0, 5, "*i16", "*i16", "*i32", 512, 0, 512),
-        ("append concat fp8", 1, 1, "*bf16", "*u8", "*i32", 512, 0, 512),
-        ("append fp8_656", 2, 5, "*bf16", "*u8", "*i32", 264, 128, 512),
-        ("append fp8_584", 6, 5, "*bf16", "*u8", "*u8", 224, 64 * 576, 448),
+    # (name, NOPE_MODE, ROPE_MODE, kv_c, destination, tiles, ROPE_OFFSET, TILE_OFFSET, L,
+    # PAIR_TABLE); fp8_584 at DeepSeek-V4's shapes (L = 448) and FlashMLA's block size of 64.
+    for name, nope_mode, rope_mode, kvc, dst, tiles, rope_at, tile_at, latent, pair in (
+        ("append concat bf16", 0, 5, "*i16", "*i16", "*i32", 512, 0, 512, False),
+        ("append concat bf16, pair tables", 0, 5, "*i16", "*i16", "*i32", 512, 0, 512, True),
+        ("append concat fp8", 1, 1, "*bf16", "*u8", "*i32", 512, 0, 512, False),
+        ("append fp8_656", 2, 5, "*bf16", "*u8", "*i32", 264, 128, 512, False),
+        ("append fp8_584", 6, 5, "*bf16", "*u8", "*u8", 224, 64 * 576, 448, False),
     ):
         ac = kernels.choose_append_config(16384, latent)
         pointers = dict(
@@ -64,9 +65,9 @@ def kernel_report() -> list[dict]:
         )  # fmt: skip
         constexprs = dict(
             ROPE_OFFSET=rope_at, TILE_OFFSET=tile_at, BLOCK_SHIFT=6, L=latent, BLOCK_L=512,
-            HALF=32, BLOCK_T=ac.block_t, NOPE_MODE=nope_mode, ROPE_MODE=rope_mode,
-            SCALE_MODE=2 if nope_mode == 1 else 0, INTERLEAVED_IN=True, INTERLEAVED_OUT=True,
-            NATIVE=True,
+            HALF=32, PAIR_TABLE=pair, BLOCK_T=ac.block_t, NOPE_MODE=nope_mode,
+            ROPE_MODE=rope_mode, SCALE_MODE=2 if nope_mode == 1 else 0, INTERLEAVED_IN=True,
+            INTERLEAVED_OUT=True, NATIVE=1,
         )  # fmt: skip
         rows.append(compile_one(name, kernels._rope_append_kernel, pointers, constexprs,
                                 ac.num_warps))  # fmt: skip
@@ -77,9 +78,10 @@ def kernel_report() -> list[dict]:
     ):
         pointers = dict(tables, qn_ptr=qn, qp_ptr="*bf16", out_ptr=out)
         constexprs = dict(
-            L=512, HALF=32, BLOCK_T=qc.block_t, BLOCK_H=qc.block_h, BLOCK_C=qc.block_c,
-            NOPE_MODE=nope_mode, ROPE_MODE=rope_mode, SCALE_MODE=2 if nope_mode else 0,
-            INTERLEAVED_IN=True, INTERLEAVED_OUT=True, NATIVE=True,
+            L=512, HALF=32, PAIR_TABLE=False, BLOCK_T=qc.block_t, BLOCK_H=qc.block_h,
+            BLOCK_C=qc.block_c, NOPE_MODE=nope_mode, ROPE_MODE=rope_mode,
+            SCALE_MODE=2 if nope_mode else 0, INTERLEAVED_IN=True, INTERLEAVED_OUT=True,
+            NATIVE=1,
         )  # fmt: skip
         rows.append(compile_one(name, kernels._rope_decode_query_kernel, pointers, constexprs,
                                 qc.num_warps))  # fmt: skip
@@ -93,7 +95,7 @@ def kernel_report() -> list[dict]:
         pointers = dict(tables, o_ptr="*bf16", out_ptr="*u8", scale_ptr=scale_ptr)
         constexprs = dict(
             D=512, HALF=32, HEADS_PER_GROUP=8, BLOCK_T=oc.block_t, BLOCK_H=oc.block_h, PACK=pack,
-            SCALE_FMT=fmt, INTERLEAVED_IN=True, INTERLEAVED_OUT=True, NATIVE=True,
+            SCALE_FMT=fmt, INTERLEAVED_IN=True, INTERLEAVED_OUT=True, NATIVE=1,
             WHOLE_ROW=whole_row,
         )  # fmt: skip
         rows.append(compile_one(name, output_quant._rope_inverse_quant_kernel, pointers,

@@ -104,8 +104,7 @@ APPEND_ERRORS = [
     (
         dict(k_pe=torch.zeros(T, 32, dtype=torch.bfloat16)),
         ValueError,
-        "cos.shape[-1] must be the rope dim R = k_pe.shape[-1] = 32 (tables [P, R]) or R / 2 = "
-        "16 (pair tables [P, R / 2], one entry per pair), got 64",
+        "cos.shape[-1] must be the rope dim R = k_pe.shape[-1] = 32, got 64 (cos shape (32, 64))",
     ),
     (
         dict(k_pe=torch.zeros(T, 48, dtype=torch.bfloat16)),
@@ -251,8 +250,8 @@ def test_fp8_584_shape_and_scale_checks():
     with pytest.raises(ValueError, match="kv_scale must be None for cache_format='fp8_584'"):
         _append(_append_args("cpu", fmt="fp8_584", kv_scale=0.5))
     args = _append_args("cpu", fmt="fp8_584")
-    cos, sin = tables(128, 32, "cpu")
-    with pytest.raises(ValueError, match=re.escape("R = k_pe.shape[-1] = 64 (tables [P, R])")):
+    cos, sin = tables(32, 32, "cpu")
+    with pytest.raises(ValueError, match=re.escape("the rope dim R = k_pe.shape[-1] = 64, got 32")):
         _append(dict(args, cos=cos, sin=sin))
     # the 3-D form, a float8 and an int8 cache, a single block: accepted
     raw, cache = model1_cache(1, 4, "cpu", dtype=torch.float8_e4m3fn, four_d=False)

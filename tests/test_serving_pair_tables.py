@@ -1,9 +1,10 @@
-"""Pair tables ``cos, sin: [P, R / 2]`` (one entry per rotated pair) in the append and the
-decode query: the same bits as the full tables ``[P, R]`` whose halves repeat them, on each
-backend (the Triton kernels, and on the CPU lane the PyTorch reference too), for every cache
-format, both layouts and the FP8 outputs; views of one FlashInfer / vLLM-style
-``cos_sin_cache [P, R]`` (cos then sin) are taken as they are; a width that is neither ``R`` nor
-``R / 2`` is refused with the value named."""
+"""Pair tables ``cos, sin: [P, R / 2]`` (one entry per rotated pair, ``pair_tables=True``) in
+the append and the decode query: the same bits as the full tables ``[P, R]`` whose halves
+repeat them, on each backend (the Triton kernels, and on the CPU lane the PyTorch reference
+too), for every cache format, both layouts and the FP8 outputs, and through the launch plans of
+repeated calls; views of one FlashInfer / vLLM-style ``cos_sin_cache [P, R]`` (cos then sin) are
+taken as they are; the form is asked for, never inferred: a table of the other form's width is
+refused, with the values named."""
 
 from __future__ import annotations
 
@@ -103,11 +104,11 @@ def test_append_pair_tables_store_the_full_tables_bits(
         for name, (cos, sin) in (("full", full), ("pair", pair)):
             cache = _cache(fmt, latent, rope, dtype, device)
 
-            def call(cos=cos, sin=sin, cache=cache):
+            def call(cos=cos, sin=sin, cache=cache, name=name):
                 serving.rope_append_kv_cache(
                     kv_c, k_pe, cos, sin, positions, cache, slots, cache_format=fmt,
                     kv_scale=0.07 if fp8 else None, interleaved=interleaved,
-                    interleaved_out=interleaved_out,
+                    interleaved_out=interleaved_out, pair_tables=name == "pair",
                 )  # fmt: skip
 
             _on(backend, call)
@@ -135,12 +136,13 @@ def test_query_pair_tables_give_the_full_tables_bits(
     scale = 0.05 if out_dtype is not None else None
     for backend in _backends(device):
         outs = []
-        for cos, sin in (full, pair):
+        for (cos, sin), is_pair in ((full, False), (pair, True)):
 
-            def call(cos=cos, sin=sin):
+            def call(cos=cos, sin=sin, is_pair=is_pair):
                 return serving.rope_decode_query(
                     q_nope, q_pe, cos, sin, positions, out_dtype=out_dtype, q_scale=scale,
                     interleaved=interleaved, interleaved_out=interleaved_out,
+                    pair_tables=is_pair,
                 )  # fmt: skip
 
             outs.append(_on(backend, call))
@@ -160,14 +162,93 @@ def test_cos_sin_cache_views_are_taken_as_they_are(device):
     slots = torch.tensor(SLOTS, device=device)
     positions = torch.tensor(POSITIONS, device=device)
     caches = []
-    for cos, sin in (full, views):
+    for (cos, sin), is_pair in ((full, False), (views, True)):
         cache = torch.zeros(3, BLOCK, 128, dtype=torch.bfloat16, device=device)
         serving.rope_append_kv_cache(
-            kv_c, k_pe, cos, sin, positions, cache, slots, cache_format="concat"
-        )
+            kv_c, k_pe, cos, sin, positions, cache, slots, cache_format="concat",
+            pair_tables=is_pair,
+        )  # fmt: skip
         caches.append(cache)
     assert torch.equal(caches[0].view(torch.int16), caches[1].view(torch.int16))
     assert caches[1].any()
+
+
+def test_repeated_calls_take_their_own_plans(device):
+    """Full-table and pair-table calls of the same shapes, in turn, several times: each repeated
+    call replays a launch plan (the guard tells the tables' shapes apart, the key the flag), and
+    every result is the first call's bits."""
+    from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
+
+    full, pair = _pair_tables(64, device)
+    gen = torch.Generator().manual_seed(13)
+    kv_c = torch.randn(T, 64, generator=gen).to(torch.bfloat16).to(device)
+    k_pe = torch.randn(T, 64, generator=gen).to(torch.bfloat16).to(device)
+    q_nope = torch.randn(T, 2, 64, generator=gen).to(torch.bfloat16).to(device)
+    q_pe = torch.randn(T, 2, 64, generator=gen).to(torch.bfloat16).to(device)
+    slots = torch.tensor(SLOTS, device=device)
+    positions = torch.tensor(POSITIONS, device=device)
+    clear_launch_cache()
+    caches, queries = {}, {}
+    for is_pair in (False, True, True, False, True, False):
+        cos, sin = pair if is_pair else full
+        cache = torch.zeros(3, BLOCK, 128, dtype=torch.bfloat16, device=device)
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, cos, sin, positions, cache, slots, cache_format="concat",
+            pair_tables=is_pair,
+        )  # fmt: skip
+        query = serving.rope_decode_query(
+            q_nope, q_pe, cos, sin, positions, out_dtype=torch.float8_e4m3fn, q_scale=0.05,
+            pair_tables=is_pair,
+        )  # fmt: skip
+        caches.setdefault(is_pair, cache)
+        queries.setdefault(is_pair, query)
+        assert torch.equal(cache.view(torch.int16), caches[is_pair].view(torch.int16))
+        assert torch.equal(query.view(torch.uint8), queries[is_pair].view(torch.uint8))
+    assert torch.equal(caches[True].view(torch.int16), caches[False].view(torch.int16))
+    assert torch.equal(queries[True].view(torch.uint8), queries[False].view(torch.uint8))
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        keys = [k for k in LAUNCH_CACHE.plans if k[0].startswith("serving.")]
+        assert len(keys) == 4, keys  # two ops x two flags
+
+
+def test_the_form_is_asked_for_not_inferred():
+    """A table of half the rope width is refused without ``pair_tables=True`` (a table of the
+    wrong width is not read as pair tables), one of the full width with it; the serving output
+    op takes ``[P, R]`` only and has no such argument."""
+    kv_c = torch.zeros(T, 64, dtype=torch.bfloat16)
+    k_pe = torch.zeros(T, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, BLOCK, 128, dtype=torch.bfloat16)
+    index = torch.zeros(T, dtype=torch.int64)
+    half, full = torch.zeros(ROWS, 32), torch.zeros(ROWS, 64)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "cos.shape[-1] must be the rope dim R = k_pe.shape[-1] = 64, got 32 (cos shape "
+            "(40, 32)); for pair tables [P, R / 2] (one entry per pair) pass pair_tables=True"
+        ),
+    ):
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, half, half, index, cache, index, cache_format="concat"
+        )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "with pair_tables=True, cos.shape[-1] must be R / 2 = 32 (pair tables [P, R / 2], "
+            "R = k_pe.shape[-1] = 64), got 64"
+        ),
+    ):
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, full, full, index, cache, index, cache_format="concat", pair_tables=True
+        )
+    q = torch.zeros(T, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("pass pair_tables=True")):
+        serving.rope_decode_query(q, q, half, half, index)
+    with pytest.raises(TypeError, match="pair_tables must be a bool"):
+        serving.rope_decode_query(q, q, half, half, index, pair_tables=1)
+    with pytest.raises(TypeError, match="pair_tables"):
+        serving.rope_inverse_quant_output(
+            torch.zeros(T, 2, 128, dtype=torch.bfloat16), full, full, index, pair_tables=True
+        )
 
 
 def test_table_width_neither_r_nor_half_is_refused():
@@ -177,18 +258,16 @@ def test_table_width_neither_r_nor_half_is_refused():
     index = torch.zeros(T, dtype=torch.int64)
     cos = torch.zeros(ROWS, 128)
     with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "cos.shape[-1] must be the rope dim R = k_pe.shape[-1] = 64 (tables [P, R]) or "
-            "R / 2 = 32 (pair tables [P, R / 2], one entry per pair), got 128"
-        ),
+        ValueError, match=re.escape("must be the rope dim R = k_pe.shape[-1] = 64, got 128")
     ):
         serving.rope_append_kv_cache(
             kv_c, k_pe, cos, cos, index, cache, index, cache_format="concat"
         )
     q = torch.zeros(T, 2, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=re.escape("R = q_pe.shape[-1] = 64 (tables [P, R])")):
-        serving.rope_decode_query(q, q, torch.zeros(ROWS, 16), torch.zeros(ROWS, 16), index)
+    with pytest.raises(ValueError, match=re.escape("must be R / 2 = 32 (pair tables")):
+        serving.rope_decode_query(
+            q, q, torch.zeros(ROWS, 16), torch.zeros(ROWS, 16), index, pair_tables=True
+        )
     with pytest.raises(ValueError, match=re.escape("R = k_pe.shape[-1] must be one of")):
         serving.rope_append_kv_cache(
             kv_c, k_pe[:, :48], cos[:, :24], cos[:, :24], index,

@@ -107,14 +107,17 @@ def check_layout(layout: object) -> str:
 
 
 def check_tables(
-    cos: object, sin: object, device: torch.device, rope: tuple[str, int] | None = None
+    cos: object, sin: object, device: torch.device, rope: tuple[str, int, bool] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``cos, sin: [P, R]`` (singleton dims between allowed) -> two 2-D views.
 
-    ``rope``: ``(name, R)`` where the rope width comes from an input (the serving ops' ``k_pe``
-    and ``q_pe``), not from the tables; they may then also be pair tables ``[P, R / 2]``, one
-    entry per rotated pair (``c[j] = c[R / 2 + j]``, as every RoPE and YaRN table has; vLLM's and
-    FlashInfer's ``cos_sin_cache`` halves), which halves the table bytes a token reads."""
+    ``rope``: ``(name, R, pair_tables)`` where the rope width comes from an input (the serving
+    ops' ``k_pe`` and ``q_pe``), not from the tables: they must be ``[P, R]``, or with
+    ``pair_tables`` pair tables ``[P, R / 2]``, one entry per rotated pair (``c[j] = c[R / 2 +
+    j]``, as the library's ``cat(freqs, freqs)`` tables have; vLLM's and FlashInfer's
+    ``cos_sin_cache`` halves), which halves the table bytes a token reads. The form is asked
+    for, never inferred, so that a table of the wrong width is refused, not read as the
+    other form."""
     cos = check_float_tensor("cos", cos)
     sin = check_float_tensor("sin", sin)
     if cos.shape != sin.shape:
@@ -134,12 +137,22 @@ def check_tables(
         check_last_dim_contiguous(name, t)
     rope_dim = cos.shape[-1]
     if rope is not None:
-        name, width = rope
-        if rope_dim not in (width, width // 2):
+        name, width, pair = rope
+        if pair and rope_dim != width // 2:
             raise ValueError(
-                f"cos.shape[-1] must be the rope dim R = {name}.shape[-1] = {width} (tables "
-                f"[P, R]) or R / 2 = {width // 2} (pair tables [P, R / 2], one entry per pair), "
-                f"got {rope_dim} (cos shape {tuple(cos.shape)})"
+                f"with pair_tables=True, cos.shape[-1] must be R / 2 = {width // 2} (pair tables "
+                f"[P, R / 2], R = {name}.shape[-1] = {width}), got {rope_dim} (cos shape "
+                f"{tuple(cos.shape)})"
+            )
+        if not pair and rope_dim != width:
+            hint = (
+                "; for pair tables [P, R / 2] (one entry per pair) pass pair_tables=True"
+                if rope_dim == width // 2
+                else ""
+            )
+            raise ValueError(
+                f"cos.shape[-1] must be the rope dim R = {name}.shape[-1] = {width}, got "
+                f"{rope_dim} (cos shape {tuple(cos.shape)}){hint}"
             )
     elif rope_dim not in ROPE_DIMS:
         raise ValueError(

@@ -181,11 +181,14 @@ def _alignment(addresses: list[int]) -> int:
 
 def append_signature(
     kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale, interleaved,
-    interleaved_out, validate,
+    interleaved_out, pair_tables, validate,
 ):  # fmt: skip
     """``(key, tensors, scale_value, addresses)`` of a ``rope_append_kv_cache`` call, or None if
     it cannot have a plan. ``tensors``: the inputs, the cache(s), then a tensor scale."""
-    if not _plain(validate, interleaved, interleaved_out) or cache_format.__class__ is not str:
+    if (
+        not _plain(validate, interleaved, interleaved_out, pair_tables)
+        or cache_format.__class__ is not str
+    ):
         return None
     kind, value = _scale_kind(kv_scale)
     if kind is False:
@@ -202,7 +205,8 @@ def append_signature(
     if addresses is None:
         return None
     key = (
-        "serving.append", cache_format, interleaved, interleaved_out, kind, len(tensors),
+        "serving.append", cache_format, interleaved, interleaved_out, pair_tables, kind,
+        len(tensors),
         kv_c.shape, _alignment(addresses), _device_key(kv_c), torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
     )  # fmt: skip
@@ -211,10 +215,10 @@ def append_signature(
 
 def query_signature(
     q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved, interleaved_out,
-    validate,
+    pair_tables, validate,
 ):  # fmt: skip
     """``(key, tensors, scale_value, addresses)`` of a ``rope_decode_query`` call, or None."""
-    if not _plain(validate, interleaved, interleaved_out):
+    if not _plain(validate, interleaved, interleaved_out, pair_tables):
         return None
     kind, value = _scale_kind(q_scale)
     if kind is False or (out_dtype is not None and out_dtype.__class__ is not torch.dtype):
@@ -228,7 +232,8 @@ def query_signature(
     if addresses is None:
         return None
     key = (
-        "serving.query", interleaved, interleaved_out, kind, out is None, out_dtype, len(tensors),
+        "serving.query", interleaved, interleaved_out, pair_tables, kind, out is None, out_dtype,
+        len(tensors),
         q_nope.shape, _alignment(addresses), _device_key(q_nope), torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
     )  # fmt: skip

@@ -24,19 +24,22 @@ def rope_append_kv_cache(
     kv_scale: float | torch.Tensor | None = None,
     interleaved: bool = True,
     interleaved_out: bool = True,
+    pair_tables: bool = False,
     validate: bool = False,
 ) -> None:
     """Rotate ``k_pe`` and write each token's MLA cache entry into its slot, in one launch.
 
     Token ``t`` goes to slot ``s = slot_mapping[t]``: entry ``s % block_size`` of block
-    ``s // block_size``. A slot of -1 marks a padding token (nothing is read or written for
-    it); a slot outside the cache is never written (``validate=True`` raises).
+    ``s // block_size``. A slot of -1 marks a padding token (nothing is written for it; its
+    rows of the inputs may be read); a slot outside the cache is never written
+    (``validate=True`` raises).
 
     Args:
         kv_c: ``[T, L]`` latent (``L = 512`` for DeepSeek-V3), bf16, fp16 or fp32; last dim
             contiguous.
         k_pe: ``[T, R]`` or ``[T, 1, R]`` positional key, ``kv_c``'s dtype and device.
-        cos, sin: ``[P, R]`` tables (``YarnConfig.cos_sin``), fp32 preferred.
+        cos, sin: ``[P, R]`` tables (``YarnConfig.cos_sin``), fp32 preferred; with
+            ``pair_tables=True``, ``[P, R / 2]``.
         positions: ``[T]`` int32/int64, each token's position. A position outside ``[0, P)``
             writes NaN rope values (FP8: the NaN code ``0x7F``).
         cache: ``cache_format="concat"``: ``[num_blocks, block_size, L + R]`` of ``kv_c``'s
@@ -59,6 +62,10 @@ def rope_append_kv_cache(
         interleaved_out: write the rotated pairs interleaved (True, default: the bytes vLLM and
             FlashMLA caches hold for DeepSeek models) or half-split. The query must use the
             same layout (:func:`rope_decode_query`).
+        pair_tables: ``cos, sin`` are pair tables ``[P, R / 2]``, one entry per rotated pair,
+            standing for the tables ``[P, R]`` whose two halves repeat it (the library's
+            tables: ``cos[:, :R // 2]``; an engine's ``cos_sin_cache [P, R]``, cos then sin:
+            its two column views). The full tables' bits, half the table bytes a token.
         validate: check device data (slots in the cache and distinct, positions in the table,
             a tensor scale), raising ``ValueError``; costs a sync. Also ``MLAROPE_VALIDATE=1``.
 
@@ -69,7 +76,7 @@ def rope_append_kv_cache(
     """
     signature = _plans.append_signature(
         kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale,
-        interleaved, interleaved_out, validate,
+        interleaved, interleaved_out, pair_tables, validate,
     )  # fmt: skip
     plan = _plans.find(signature)
     if plan.__class__ is _plans.Plan:  # a repeated eager call
@@ -78,7 +85,7 @@ def rope_append_kv_cache(
         plan = None
     call = formats.check_append_call(
         kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale,
-        interleaved, interleaved_out,
+        interleaved, interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
         formats.validate_append_on_device(call)
@@ -104,6 +111,7 @@ def rope_decode_query(
     q_scale: float | torch.Tensor | None = None,
     interleaved: bool = True,
     interleaved_out: bool = True,
+    pair_tables: bool = False,
     validate: bool = False,
 ) -> torch.Tensor:
     """Build the absorbed MLA decode query ``[q_nope | rotate(q_pe)]`` in one launch.
@@ -112,7 +120,7 @@ def rope_decode_query(
         q_nope: ``[T, H, L]``, the nope query already absorbed (``q_nope @ W_UK``), bf16, fp16
             or fp32; last dim contiguous, any token and head strides.
         q_pe: ``[T, H, R]``, ``q_nope``'s dtype and device.
-        cos, sin: ``[P, R]`` tables, fp32 preferred.
+        cos, sin: ``[P, R]`` tables, fp32 preferred; with ``pair_tables=True``, ``[P, R / 2]``.
         positions: ``[T]`` int32/int64. A position outside ``[0, P)`` writes NaN rope values.
         out: a ``[T, H, L + R]`` buffer to write (last dim contiguous), or None for a new
             contiguous tensor. Given, the call allocates nothing (CUDA graphs).
@@ -122,6 +130,8 @@ def rope_decode_query(
             q_scale)``); a float or a 1-element fp32 tensor on the device; None otherwise.
         interleaved, interleaved_out: the rope pair layouts, as in
             :func:`rope_append_kv_cache` (default interleaved in and out: match the cache).
+        pair_tables: ``cos, sin`` are pair tables ``[P, R / 2]``, as in
+            :func:`rope_append_kv_cache`.
         validate: check positions and a tensor scale on the device (a sync).
 
     Returns:
@@ -130,7 +140,7 @@ def rope_decode_query(
     """
     signature = _plans.query_signature(
         q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved,
-        interleaved_out, validate,
+        interleaved_out, pair_tables, validate,
     )  # fmt: skip
     plan = _plans.find(signature)
     if plan.__class__ is _plans.Plan:  # a repeated eager call
@@ -140,7 +150,7 @@ def rope_decode_query(
         plan = None
     call = formats.check_query_call(
         q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved,
-        interleaved_out,
+        interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
         formats.validate_query_on_device(call)

@@ -64,8 +64,8 @@ class AppendCall:
 
     kv_c: torch.Tensor  # [T, L]
     k_pe: torch.Tensor  # [T, R]
-    cos: torch.Tensor  # [P, R]
-    sin: torch.Tensor  # [P, R]
+    cos: torch.Tensor  # [P, R], or pair tables [P, R / 2]
+    sin: torch.Tensor  # [P, R], or pair tables [P, R / 2]
     positions: torch.Tensor  # [T]
     cache: torch.Tensor  # concat / fp8_656: the cache as given; split: ckv
     kpe_cache: torch.Tensor | None  # split: kpe
@@ -272,6 +272,7 @@ def check_append_call(
     kv_scale: object,
     interleaved: object,
     interleaved_out: object,
+    pair_tables: object = False,
 ) -> AppendCall:
     """All host-side checks of a ``rope_append_kv_cache`` call."""
     if not isinstance(cache_format, str):
@@ -291,7 +292,8 @@ def check_append_call(
         )
     check_last_dim_contiguous("k_pe", k_pe)
     rope_dim = _check_rope_dim("k_pe", k_pe.shape[1])
-    cos2d, sin2d = check_tables(cos, sin, kv_c.device, ("k_pe", rope_dim))
+    check_bool("pair_tables", pair_tables)
+    cos2d, sin2d = check_tables(cos, sin, kv_c.device, ("k_pe", rope_dim, pair_tables))
     check_tables_constant(cos, sin)
     positions = _check_index("positions", positions, n_tokens, kv_c.device)
     slot_mapping = _check_index("slot_mapping", slot_mapping, n_tokens, kv_c.device)
@@ -544,6 +546,7 @@ def check_query_call(
     q_scale: object,
     interleaved: object,
     interleaved_out: object,
+    pair_tables: object = False,
 ) -> QueryCall:
     """All host-side checks of a ``rope_decode_query`` call."""
     q_nope = _check_input("q_nope", q_nope, 3, "[T, H, L]")
@@ -556,7 +559,8 @@ def check_query_call(
             f"{tuple(q_pe.shape)}"
         )
     rope_dim = _check_rope_dim("q_pe", q_pe.shape[2])
-    cos2d, sin2d = check_tables(cos, sin, q_nope.device, ("q_pe", rope_dim))
+    check_bool("pair_tables", pair_tables)
+    cos2d, sin2d = check_tables(cos, sin, q_nope.device, ("q_pe", rope_dim, pair_tables))
     check_tables_constant(cos, sin)
     positions = _check_index("positions", positions, n_tokens, q_nope.device)
     check_bool("interleaved", interleaved)

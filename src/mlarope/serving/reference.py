@@ -431,6 +431,7 @@ def rope_append_kv_cache(
     kv_scale: float | torch.Tensor | None = None,
     interleaved: bool = True,
     interleaved_out: bool = True,
+    pair_tables: bool = False,
     validate: bool = False,
 ) -> None:
     """:func:`mlarope.serving.rope_append_kv_cache` in plain PyTorch: the same arguments, checks
@@ -440,7 +441,7 @@ def rope_append_kv_cache(
 
     call = formats.check_append_call(
         kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale,
-        interleaved, interleaved_out,
+        interleaved, interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
         formats.validate_append_on_device(call)
@@ -464,6 +465,7 @@ def rope_decode_query(
     q_scale: float | torch.Tensor | None = None,
     interleaved: bool = True,
     interleaved_out: bool = True,
+    pair_tables: bool = False,
     validate: bool = False,
 ) -> torch.Tensor:
     """:func:`mlarope.serving.rope_decode_query` in plain PyTorch: the same arguments, checks,
@@ -472,8 +474,9 @@ def rope_decode_query(
     from . import formats
 
     call = formats.check_query_call(
-        q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved, interleaved_out
-    )
+        q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved,
+        interleaved_out, pair_tables,
+    )  # fmt: skip
     if validation_requested(validate):
         formats.validate_query_on_device(call)
     result = decode_query(

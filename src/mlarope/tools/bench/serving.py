@@ -269,6 +269,7 @@ def ours(op: OpSpec, inp: Inputs, cos, sin, dims: Dims) -> Callable[[], object]:
     from mlarope.serving import rope_append_kv_cache, rope_decode_query, rope_inverse_quant_output
 
     cos, sin = rope_tables(op, dims, cos, sin)
+    pair = dims.pair_tables
 
     if op.kind == "output":
         return lambda: rope_inverse_quant_output(
@@ -279,13 +280,14 @@ def ours(op: OpSpec, inp: Inputs, cos, sin, dims: Dims) -> Callable[[], object]:
         scale = inp.scale if _fp8_cache(op) else None
         return lambda: rope_append_kv_cache(
             inp.kv_c, inp.k_pe, cos, sin, inp.positions, inp.cache, inp.slots,
-            cache_format=op.fmt, kv_scale=scale,
+            cache_format=op.fmt, kv_scale=scale, pair_tables=pair,
         )  # fmt: skip
     fp8 = torch.float8_e4m3fn if op.fp8_out else None
     scale = inp.scale if op.fp8_out else None
     return lambda: rope_decode_query(
-        inp.q_nope, inp.q_pe, cos, sin, inp.positions, out=inp.out, out_dtype=fp8, q_scale=scale
-    )
+        inp.q_nope, inp.q_pe, cos, sin, inp.positions, out=inp.out, out_dtype=fp8,
+        q_scale=scale, pair_tables=pair,
+    )  # fmt: skip
 
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -752,7 +754,7 @@ def run_sweep(
         op = OPS_BY_KEY[key]
         inp = make_inputs(op, tokens, dims, device, gen, prefill=True)
         nbytes = bytes_moved(op, tokens, dims)
-        extra = []  # (label, launch): the heuristic's launch on other inputs
+        extra = []  # (label, launch, bytes): the heuristic's launch on other inputs
         if op.kind == "output":
             # The whole-row variant first (perf_log v14: every load before the first store;
             # 16 to 64 elements a thread of the row), then 1 to 16 heads a program, 4 to 32
@@ -781,16 +783,16 @@ def run_sweep(
         elif op.kind == "append":
             scale = inp.scale if _fp8_cache(op) else None
 
-            def checked(tables, positions, inp=inp, scale=scale, op=op):
+            def checked(tables, positions, pair, inp=inp, scale=scale, op=op):
                 return formats.check_append_call(
                     inp.kv_c, inp.k_pe, *tables, positions, inp.cache, inp.slots, op.fmt,
-                    scale, True, True,
+                    scale, True, True, pair,
                 )  # fmt: skip
 
             tables = rope_tables(op, dims, cos, sin)
             half = dims.rope // 2
             other = (cos, sin) if dims.pair_tables else (cos[:, :half], sin[:, :half])
-            call = checked(tables, inp.positions)
+            call = checked(tables, inp.positions, dims.pair_tables)
             # 8 to 32 latent elements a thread, 1 to 16 tokens a program
             configs = [
                 kernels.AppendConfig(bt, w)
@@ -802,14 +804,21 @@ def run_sweep(
             def launch(config, call=call):
                 ops.append_with_kernel(*call.op_args(), config=config)
 
-            for label, c in (
-                ("heuristic, every position 0", checked(tables, torch.zeros_like(inp.positions))),
+            # their own bytes: one table row; the other tables' rows
+            one_row = nbytes - table_bytes(op, tokens, dims) + table_bytes(op, 1, dims)
+            flipped = dataclasses.replace(dims, pair_tables=not dims.pair_tables)
+            for label, c, n in (
+                (
+                    "heuristic, every position 0",
+                    checked(tables, torch.zeros_like(inp.positions), dims.pair_tables), one_row,
+                ),
                 (
                     f"heuristic, {'full' if dims.pair_tables else 'pair'} tables",
-                    checked(other, inp.positions),
+                    checked(other, inp.positions, not dims.pair_tables),
+                    bytes_moved(op, tokens, flipped),
                 ),
-            ):
-                extra.append((label, lambda c=c: ops.append_with_kernel(*c.op_args())))
+            ):  # fmt: skip
+                extra.append((label, lambda c=c: ops.append_with_kernel(*c.op_args()), n))
         else:
             dtype = torch.float8_e4m3fn if op.fp8_out else dims.dtype
             out = torch.empty(tokens, dims.heads, dims.latent + dims.rope, dtype=dtype,
@@ -830,13 +839,16 @@ def run_sweep(
         if op.fp8_out or _fp8_cache(op) or op.fmt in ("fp8_656", "fp8_584"):
             variants.append(("heuristic, integer e4m3 encoder", None, False))
         variants.insert(0, ("heuristic", None, True))
-        runs = [(label, native, lambda c=config: launch(c)) for label, config, native in variants]
-        runs += [(label, True, fn) for label, fn in extra]
-        for label, native, fn in runs:
+        runs = [
+            (label, native, lambda c=config: launch(c), nbytes)
+            for label, config, native in variants
+        ]
+        runs += [(label, True, fn, n) for label, fn, n in extra]
+        for label, native, fn, n in runs:
             kernels.NATIVE_CASTS = native
             try:
                 t: Timing = timer.large_graphed(fn)
-                pct = 100.0 * nbytes / (t.median * 1e-3) / 1e12 / copy_tbps
+                pct = 100.0 * n / (t.median * 1e-3) / 1e12 / copy_tbps
                 results.append({"op": key, "variant": label, "ms": t.median, "pct_copy": pct})
             except Exception as exc:
                 results.append({"op": key, "variant": label, "error": str(exc)[:200]})
