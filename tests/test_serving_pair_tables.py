@@ -273,3 +273,37 @@ def test_table_width_neither_r_nor_half_is_refused():
             kv_c, k_pe[:, :48], cos[:, :24], cos[:, :24], index,
             torch.zeros(3, BLOCK, 112, dtype=torch.bfloat16), index, cache_format="concat",
         )  # fmt: skip
+
+
+def test_a_recorded_plan_does_not_skip_the_form_check():
+    """A full-table call recorded as a launch plan, then the same tensors with
+    ``pair_tables=True``: the flag is in the plan's key, so the call takes the checks and is
+    refused (a replay would have skipped them); the PyTorch forms refuse it as well."""
+    from mlarope._launch_cache import clear_launch_cache
+    from mlarope.serving import reference
+
+    full, _ = _pair_tables(64, "cpu")
+    kv_c = torch.zeros(T, 64, dtype=torch.bfloat16)
+    k_pe = torch.zeros(T, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, BLOCK, 128, dtype=torch.bfloat16)
+    positions, slots = torch.tensor(POSITIONS), torch.tensor(SLOTS)
+    q_nope, q_pe = torch.zeros(T, 2, 64, dtype=torch.bfloat16), torch.zeros(T, 2, 64)
+    q_pe = q_pe.to(torch.bfloat16)
+    clear_launch_cache()
+    for _ in range(3):
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, *full, positions, cache, slots, cache_format="concat"
+        )
+        serving.rope_decode_query(q_nope, q_pe, *full, positions)
+    message = re.escape("with pair_tables=True, cos.shape[-1] must be R / 2 = 32")
+    for append in (serving.rope_append_kv_cache, reference.rope_append_kv_cache):
+        with pytest.raises(ValueError, match=message):
+            append(
+                kv_c, k_pe, *full, positions, cache, slots, cache_format="concat",
+                pair_tables=True,
+            )  # fmt: skip
+    for query in (serving.rope_decode_query, reference.rope_decode_query):
+        with pytest.raises(ValueError, match=message):
+            query(q_nope, q_pe, *full, positions, pair_tables=True)
+        with pytest.raises(TypeError, match="pair_tables must be a bool"):
+            query(q_nope, q_pe, *full, positions, pair_tables=None)
