@@ -134,8 +134,8 @@ def table_bytes(op: OpSpec, tokens: int, dims: Dims) -> int:
     are uniform over the table's ``P`` rows, ``P * (1 - (1 - 1/P) ** T)`` distinct ones
     expected (12,893 of 16,384 prefill tokens), each row read from memory once (do_bench flushes
     the L2 before each prefill call; decode rotates input sets past it). 512 bytes a row of the
-    full tables, 256 of pair tables: a sixth of the bytes of a DeepSeek-V3 bf16 append, a
-    third of an fp8_584 one's (docs/perf_log.md v16); under a thousandth of the query's."""
+    full tables, 256 of pair tables (at prefill 6.6 or 3.3 MB: a quarter to an eleventh of an
+    append's data bytes, docs/perf_log.md v16); under a thousandth of the query's."""
     p = dims.positions
     rows = round(p * -math.expm1(tokens * math.log1p(-1.0 / p)))
     width = dims.rope // 2 if dims.pair_tables and op.kind != "output" else dims.rope
