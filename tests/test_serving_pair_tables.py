@@ -307,3 +307,34 @@ def test_a_recorded_plan_does_not_skip_the_form_check():
             query(q_nope, q_pe, *full, positions, pair_tables=True)
         with pytest.raises(TypeError, match="pair_tables must be a bool"):
             query(q_nope, q_pe, *full, positions, pair_tables=None)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_pair_tables_under_torch_compile(device, backend):
+    """Both ops with pair tables traced whole write what eager writes with the full tables."""
+    torch._dynamo.reset()
+    full, pair = _pair_tables(64, device)
+    gen = torch.Generator().manual_seed(17)
+    kv_c = torch.randn(T, 64, generator=gen).to(torch.bfloat16).to(device)
+    k_pe = torch.randn(T, 64, generator=gen).to(torch.bfloat16).to(device)
+    q_nope = torch.randn(T, 2, 64, generator=gen).to(torch.bfloat16).to(device)
+    q_pe = torch.randn(T, 2, 64, generator=gen).to(torch.bfloat16).to(device)
+    slots = torch.tensor(SLOTS, device=device)
+    positions = torch.tensor(POSITIONS, device=device)
+
+    def step(tables, is_pair, cache):
+        serving.rope_append_kv_cache(
+            kv_c, k_pe, *tables, positions, cache, slots, cache_format="concat",
+            pair_tables=is_pair,
+        )  # fmt: skip
+        return serving.rope_decode_query(
+            q_nope, q_pe, *tables, positions, out_dtype=torch.float8_e4m3fn, q_scale=0.05,
+            pair_tables=is_pair,
+        )  # fmt: skip
+
+    caches = [torch.zeros(3, BLOCK, 128, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    eager = step(full, False, caches[0])
+    compiled = torch.compile(step, fullgraph=True, backend=backend)(pair, True, caches[1])
+    assert torch.equal(caches[0].view(torch.int16), caches[1].view(torch.int16))
+    assert caches[1].any()
+    assert torch.equal(eager.view(torch.uint8), compiled.view(torch.uint8))
