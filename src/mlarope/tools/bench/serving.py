@@ -138,7 +138,7 @@ def table_bytes(op: OpSpec, tokens: int, dims: Dims) -> int:
     append's data bytes, docs/perf_log.md v16); under a thousandth of the query's."""
     p = dims.positions
     rows = round(p * -math.expm1(tokens * math.log1p(-1.0 / p)))
-    width = dims.rope // 2 if dims.pair_tables and op.kind != "output" else dims.rope
+    width = dims.rope // 2 if _takes_pair_tables(op, dims) else dims.rope
     return rows * 2 * width * 4
 
 
@@ -253,12 +253,18 @@ def _fp8_cache(op: OpSpec) -> bool:
     return op.cache_dtype == torch.float8_e4m3fn
 
 
+def _takes_pair_tables(op: OpSpec, dims: Dims) -> bool:
+    """Whether ours is given pair tables: ``dims.pair_tables``, except for the output op, which
+    takes ``[P, R]`` only."""
+    return dims.pair_tables and op.kind != "output"
+
+
 def rope_tables(op: OpSpec, dims: Dims, cos, sin):
     """The tables ours is given: with ``dims.pair_tables`` the append and the query take the
     pair tables ``[P, R / 2]`` (column views of the ``[P, R]`` tables, as an engine's
     ``cos_sin_cache`` halves are), else (and the output op, which takes ``[P, R]`` only) the
     full tables."""
-    if dims.pair_tables and op.kind != "output":
+    if _takes_pair_tables(op, dims):
         half = cos.shape[1] // 2
         return cos[:, :half], sin[:, :half]
     return cos, sin
@@ -269,7 +275,7 @@ def ours(op: OpSpec, inp: Inputs, cos, sin, dims: Dims) -> Callable[[], object]:
     from mlarope.serving import rope_append_kv_cache, rope_decode_query, rope_inverse_quant_output
 
     cos, sin = rope_tables(op, dims, cos, sin)
-    pair = dims.pair_tables
+    pair = _takes_pair_tables(op, dims)
 
     if op.kind == "output":
         return lambda: rope_inverse_quant_output(
@@ -789,9 +795,8 @@ def run_sweep(
                     scale, True, True, pair,
                 )  # fmt: skip
 
-            tables = rope_tables(op, dims, cos, sin)
-            half = dims.rope // 2
-            other = (cos, sin) if dims.pair_tables else (cos[:, :half], sin[:, :half])
+            flipped = dataclasses.replace(dims, pair_tables=not dims.pair_tables)
+            tables, other = rope_tables(op, dims, cos, sin), rope_tables(op, flipped, cos, sin)
             call = checked(tables, inp.positions, dims.pair_tables)
             # 8 to 32 latent elements a thread, 1 to 16 tokens a program
             configs = [
@@ -806,7 +811,6 @@ def run_sweep(
 
             # their own bytes: one table row; the other tables' rows
             one_row = nbytes - table_bytes(op, tokens, dims) + table_bytes(op, 1, dims)
-            flipped = dataclasses.replace(dims, pair_tables=not dims.pair_tables)
             for label, c, n in (
                 (
                     "heuristic, every position 0",
