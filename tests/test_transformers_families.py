@@ -545,7 +545,8 @@ def test_every_family_is_patched_or_has_a_reason():
 
 
 def test_the_families_of_transformers_5_24_are_found():
-    """What discovery finds in transformers 5.24 (later releases: at least these)."""
+    """What discovery finds in transformers 5.24 and 5.25 (5.25 adds no MLA family; later
+    releases: at least these)."""
     from packaging.version import Version
 
     if Version(transformers.__version__) < Version("5.24"):
@@ -560,11 +561,18 @@ def test_the_families_of_transformers_5_24_are_found():
     for name in ("glm5_next", "kimi_linear"):
         assert REPORT[name].status == "nothing to patch"
     assert REPORT["sarvam_mla"].runs_on == "deepseek_v3"
-    # names do not tell: hy_v4_vl's apply_rotary_pos_emb is interleaved in and out
-    (f,) = REPORT["hy_v4_vl"].functions
-    assert f.name == "apply_rotary_pos_emb" and f.short.startswith("interleaved -> interleaved")
-    (f,) = REPORT["hy_v4"].functions
-    assert f.name == "apply_rotary_pos_emb" and f.short.startswith("half-split -> half-split")
+    hy_v4 = (f,) = REPORT["hy_v4"].functions
+    hy_v4_vl = (g,) = REPORT["hy_v4_vl"].functions
+    if Version(transformers.__version__) < Version("5.25"):
+        # names do not tell: 5.24's hy_v4_vl's apply_rotary_pos_emb is interleaved in and out,
+        # hy_v4's half-split
+        assert g.name == "apply_rotary_pos_emb"
+        assert g.short.startswith("interleaved -> interleaved")
+        assert f.name == "apply_rotary_pos_emb" and f.short.startswith("half-split -> half-split")
+    else:  # 5.25: both call the DeepSeek-V3-style interleave function instead
+        for (h,) in (hy_v4, hy_v4_vl):
+            assert h.name == "apply_rotary_pos_emb_interleave"
+            assert h.short.startswith("interleaved -> half-split, first-half tables")
     assert "k may be None" in REPORT["mistral_large4"].functions[0].short
     indexer = {f.name: f.callers for f in REPORT["deepseek_v32"].functions}
     assert indexer["apply_rotary_pos_emb"] == ("DeepseekV32Indexer (unsqueeze_dim=2)",)
@@ -626,6 +634,29 @@ def test_no_rotary_call_is_missed(family, device, monkeypatch):
         with torch.no_grad():
             model(input_ids=_ids(8, device))
     assert called == listed
+
+
+@pytest.mark.parametrize("family", sorted(REPORT))
+def test_kernelize_does_not_reach_the_rotary_functions(family, device):
+    """docs/transformers.md, "transformers' kernels": ``kernels.kernelize`` replaces a
+    module-level function only through the private copies ``use_kernelized_func`` gives the
+    instances of a class (``_kernel_funcs``), and no MLA attention of transformers 5.25 has
+    one for its rotary functions, so a kernel mapping for ``rotary_pos_emb`` (mlarope's or
+    another) never reaches an MLA model. When a release adds one, this fails by the family's
+    name: mlarope can then also be offered as that mapping's provider."""
+    row = REPORT[family]
+    rotary = {f.name for f in row.functions}
+    model = tiny_model(row, torch.float32, device)
+    reached = {
+        f"{type(m).__name__}: {name}"
+        for m in model.modules()
+        for name in getattr(m, "_kernel_funcs", {})
+        if name in rotary
+    }
+    assert not reached, (
+        f"transformers {transformers.__version__}: kernels.kernelize now reaches {family}'s "
+        f"rotary functions ({sorted(reached)}); see docs/transformers.md"
+    )
 
 
 def test_discovery_reads_the_code_not_the_names():

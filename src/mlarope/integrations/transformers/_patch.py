@@ -82,11 +82,13 @@ def import_module(name: str) -> ModuleType:
 
 
 def _unpatched(module: ModuleType, attr: str) -> Callable | None:
-    """The function transformers put there (the original, if mlarope's replacement is in)."""
-    current = getattr(module, attr, None)
+    """The function transformers put there: the original while mlarope's patch is recorded,
+    also when something else has since been put over mlarope's replacement (a wrapper that
+    may call it; :func:`patch` leaves that in place with a warning)."""
     active = _ACTIVE.get((module.__name__, attr))
-    if active is not None and current is active[1]:
+    if active is not None:
         return active[0]
+    current = getattr(module, attr, None)
     return current if callable(current) else None
 
 

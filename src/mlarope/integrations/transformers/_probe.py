@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import itertools
 import threading
 import weakref
@@ -43,6 +42,7 @@ from collections.abc import Callable
 
 import torch
 
+from ._callables import call_signature, required_positional, wrapper_kind
 from ._rotation import Mapping, extra_args_reader, rotate_cos_sin, rotate_freqs_cis, rotate_one
 
 _TOLERANCE = 2.0**-20
@@ -53,15 +53,6 @@ _HEAD = 96
 
 _cache: weakref.WeakKeyDictionary[Callable, Mapping | str] = weakref.WeakKeyDictionary()
 _cache_lock = threading.Lock()
-
-
-def _required_positional(fn: Callable) -> int | None:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
 
 
 def _probe_inputs(complex_freqs: bool, heads_dim: int = 1) -> tuple[torch.Tensor, ...]:
@@ -140,16 +131,31 @@ def _run(fn: Callable, *args, **kwargs) -> tuple[object, str | None]:
 
 
 def _classify(fn: Callable) -> Mapping | str:
-    arity = _required_positional(fn)
+    arity = required_positional(fn)
+    if arity is None:
+        # Nothing tells the arguments (a plain ``*args, **kwargs`` wrapper): what it computes
+        # does, on each argument count a rotary function can take.
+        attempts = {n: _classify_arity(fn, n) for n in (4, 3)}
+        for result in attempts.values():
+            if isinstance(result, Mapping):
+                return result
+        how = wrapper_kind(fn)
+        return (
+            f"its signature does not say its arguments ({how or 'a callable'} taking *args, "
+            f"**kwargs), and what it computes matched no mapping: as (q, k, cos, sin): "
+            f"{attempts[4]}; with three arguments: {attempts[3]}"
+        )
     if arity not in (3, 4):
-        try:
-            sig = str(inspect.signature(fn))
-        except (TypeError, ValueError):
-            sig = "(unknown signature)"
+        sig = call_signature(fn)
+        how = wrapper_kind(fn)
         return (
             f"its signature {sig} is neither (q, k, cos, sin, ...) nor (q, k, freqs_cis) nor "
-            f"(x, cos, sin, ...): no mlarope mapping"
+            f"(x, cos, sin, ...): no mlarope mapping" + (f" (it is {how})" if how else "")
         )
+    return _classify_arity(fn, arity)
+
+
+def _classify_arity(fn: Callable, arity: int) -> Mapping | str:
     if arity == 4:
         return _classify_pair(fn, complex_freqs=False)
     as_pair = _classify_pair(fn, complex_freqs=True)

@@ -4,8 +4,9 @@ Building the report imports every MLA modeling module (which pulls in much of to
 each rotary function: a few seconds. The report depends only on the installed files, so it is
 stored as JSON under ``$MLAROPE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mlarope`` or
 ``~/.cache/mlarope``) with a key that changes whenever any of them could: the versions of
-Python, torch and transformers, and the path, size and modification time of every modeling and
-configuration file of transformers (and of its auto mappings) and of this package. A missing,
+Python, torch, transformers and kernels (``?`` when absent), and the path, size and modification
+time of every modeling and configuration file of transformers (and of its auto mappings and
+integrations) and of this package. A missing,
 unreadable or stale copy is rebuilt; a cache directory that cannot be written is skipped. Only
 ``family_report(cache=True)`` reads it (``mlarope info``); patching always probes the functions
 it replaces.
@@ -42,13 +43,22 @@ def key(transformers_root: pathlib.Path) -> str:
     digest = hashlib.sha256()
     digest.update(
         repr(
-            (_FORMAT, sys.version, installed_version("torch"), installed_version("transformers"))
+            (
+                _FORMAT,
+                sys.version,
+                installed_version("torch"),
+                installed_version("transformers"),
+                # With kernels installed, transformers 5.25 makes some rotary functions
+                # nn.Modules: the report depends on whether it is there, and which release.
+                installed_version("kernels"),
+            )
         ).encode()
     )
     files = [
         *transformers_root.glob("models/*/modeling_*.py"),
         *transformers_root.glob("models/*/configuration_*.py"),
         *transformers_root.glob("models/auto/*.py"),
+        *transformers_root.glob("integrations/*.py"),
         # every module of mlarope: the probe runs the library's own ops and reference
         *pathlib.Path(__file__).parents[2].rglob("*.py"),
     ]

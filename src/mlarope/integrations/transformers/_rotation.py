@@ -35,6 +35,8 @@ from torch.autograd import forward_ad
 
 import mlarope
 
+from ._callables import call_signature
+
 # The rope widths mlarope's ops take (mlarope.apply_rope_q raises for others; those calls go to
 # transformers' function instead).
 ROPE_DIMS = mlarope.SUPPORTED_ROPE_DIMS
@@ -425,10 +427,8 @@ def extra_args_reader(original: Callable, leading: int = 4) -> Callable[[tuple, 
     sin)``, or ``(x, cos, sin)`` for a one-tensor function), by the original's signature
     (DeepSeek-V3-style functions put an ignored ``position_ids`` before it, others do not have
     it). Returns the heads dim of ``q`` (1 or 2), or None: hand over the call."""
-    try:
-        params = list(inspect.signature(original).parameters.values())[leading:]
-    except (TypeError, ValueError):
-        params = []
+    sig = call_signature(original)
+    params = [] if sig is None else list(sig.parameters.values())[leading:]
     by_position = [
         p.name
         for p in params
@@ -482,7 +482,14 @@ def make_replacement(original: Callable, mapping: Mapping, name: str) -> Callabl
             out = None if heads_dim is None else rotate_cos_sin(mapping, q, k, cos, sin, heads_dim)
             return original(q, k, cos, sin, *args, **kwargs) if out is None else out
 
-    functools.update_wrapper(rope, original)
+    # Not the module's __dict__ when transformers made the function an nn.Module (kernels'
+    # hub layer): the replacement is a function, with the signature a call is bound by.
+    functools.update_wrapper(rope, original, updated=())
+    if isinstance(original, torch.nn.Module):
+        rope.__name__ = rope.__qualname__ = name
+    sig = call_signature(original)
+    if sig is not None:
+        rope.__signature__ = sig
     rope.__doc__ = (
         f"mlarope replacement of transformers' ``{name}`` ({mapping.describe()}; see "
         f"mlarope.integrations.transformers); falls back to the original for inputs mlarope "
