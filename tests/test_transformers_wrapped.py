@@ -321,3 +321,22 @@ def test_every_family_is_patched_alike_with_and_without_kernels():
     here = {r.name: [r.status, [f.short for f in r.functions]] for r in mt.family_report()}
     assert without["rows"] == here
     assert all(status == "patched" or not fns for status, fns in here.values()), here
+
+
+def test_the_report_cache_key_follows_kernels(monkeypatch):
+    """Issue 36: installing ``kernels`` changes what transformers' rotary functions are, so the
+    cached family report (``mlarope info``) must not outlive it. (Before: the key held Python,
+    torch and transformers only, and showed deepseek_v3 "patched" while apply_mlarope raised.)"""
+    from mlarope.integrations.transformers import _discovery, _report_cache
+
+    root = _discovery.transformers_root()
+    real = _report_cache.installed_version
+    keys = set()
+    for kernels in ("?", "0.18.3", "0.19.1"):
+        monkeypatch.setattr(
+            _report_cache,
+            "installed_version",
+            lambda dist, _k=kernels: _k if dist == "kernels" else real(dist),
+        )
+        keys.add(_report_cache.key(root))
+    assert len(keys) == 3
