@@ -31,6 +31,16 @@ def test_each_command_explains_its_options(command, capsys):
     assert "--" in capsys.readouterr().out
 
 
+def test_no_command_prints_the_help(capsys):
+    """``python -m mlarope`` alone lists the commands and exits 0, as ``--help`` does (it exited
+    2 with argparse's "the following arguments are required")."""
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out
+    for name in ("demo", "stress", "bench", "info"):
+        assert name in out
+
+
 def test_bad_usage_exits_2():
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["no-such-command"])

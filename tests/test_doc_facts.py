@@ -10,6 +10,7 @@ drops a fact fails here, and the test is updated with it.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import os
 import re
@@ -67,8 +68,8 @@ def family_claims() -> dict[str, object]:
     return dict(
         version=version,
         rows=rows,
-        readme=one(r"\((\d+) of its (\d+) in (\d+\.\d+),.*?; the other (\w+) have no rotary",
-                   README, "README"),
+        readme=one(r"\((\d+) of its (\d+) model types in [\d.]+ and (\d+\.\d+),.*?; the other "
+                   r"(\w+) have no\s+rotary", README, "README"),
         intro=one(r"installed transformers \((\d+) in transformers (\d+\.\d+),", text, "intro"),
         older=one(r"transformers (\d+\.\d+) has (\d+) of these families \(no (.*?)\)", text,
                   "the older release"),
@@ -106,15 +107,23 @@ def test_default_counts_are_the_measured_runs():
     """The README's "patches the N whose measured training step ... leaves the other M" and
     transformers.md's "N of 17 families meet both targets; M are off by default" are
     ``_measured``'s verdicts over the recorded run's families (config-only ones included)."""
-    from mlarope.integrations.transformers import _measured
+    from mlarope.integrations.transformers import _measured, _patch
 
     off = [f for f in _measured.MEASURED if _measured.off_by_default(f)]
     families = len(_measured.MEASURED)
-    on, left = one(r"patches the (\d+) whose\s+measured.*?leaves the other (\d+)", README,
-                   "README").groups()  # fmt: skip
+    pattern = (
+        r"(\d+) got faster by the\s+target's margin, and `apply_mlarope_to_all\(\)` patches their "
+        r"(\d+)\s+modeling modules.*?leaves the other (\d+)"
+    )
+    on, modules, left = one(pattern, README, "README").groups()
     meet, total, off_count = one(r"(\d+) of (\d+) families meet both targets; (\d+) are\s+off",
                                  doc("transformers.md"), "transformers.md").groups()  # fmt: skip
     assert (int(on), int(left)) == (families - len(off), len(off))
+    if importlib.util.find_spec("transformers") is not None:
+        # apply_mlarope_to_all() returns the modeling modules (model types that run another
+        # family's code are patched through it)
+        on_modules = {_patch.family(f).name for f in _measured.MEASURED if f not in off}
+        assert int(modules) == len(on_modules)
     assert (int(meet), int(total), int(off_count)) == (families - len(off), families, len(off))
 
 

@@ -26,6 +26,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+import transformers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 import mlarope
@@ -218,6 +219,9 @@ def test_a_wrapper_that_computes_otherwise_is_refused_and_nothing_is_patched(wra
         mt.apply_mlarope_to_deepseek_v3()
     if wrapper == "bare_wrapper":
         assert "its signature does not say its arguments" in str(e.value)
+    # the refusal names the versions it depends on and what the user can do (issue 35)
+    assert f"transformers {transformers.__version__}, kernels " in str(e.value)
+    assert "keeps transformers' own functions" in str(e.value)
     assert hf_v3.apply_rotary_pos_emb is INSTALLED["apply_rotary_pos_emb"]
     assert hf_v3.apply_rotary_pos_emb_interleave is wrapped
     assert not mt.is_mlarope_applied("deepseek_v3")

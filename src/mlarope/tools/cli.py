@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mlarope" if script == "mlarope" else "python -m mlarope",
         description="Fused, race-free MLA rotary position embedding: tools.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         try:
@@ -141,11 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if args.command is None and not unknown:
+        # No command: what the tools are and how to run them, as --help says (exit 0).
+        parser.print_help()
+        return 0
     error = getattr(args, "import_error", None)
     if error is not None:
         print(f"mlarope {args.command}: cannot run here: {error}", file=sys.stderr)
         return 2
-    if unknown:
+    if unknown or args.command is None:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args)

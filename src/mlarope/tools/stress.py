@@ -467,6 +467,12 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("racy control", str(args.control_trials), str(control_failed), "-")
     console.print(table)
     console.print(f"control by launch config: {control_by_config}; {elapsed:.1f} s on {device}")
+    if device != "cuda" and args.control_trials:
+        console.print(
+            "the racy control cannot fail here: Triton's interpreter runs a launch's programs "
+            "one after another, so no store can overtake another program's load; its failure "
+            "rate is a GPU figure (docs/race.md)"
+        )
     if summary["trials"] < args.trials:
         console.print(
             f"stopped early: {summary['trials']} of {args.trials} trials ran in the "

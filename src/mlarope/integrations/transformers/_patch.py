@@ -206,7 +206,19 @@ def require_patchable(fam: Family) -> None:
         return
     if not fam.mappings:
         raise ValueError(f"{fam.name}: {fam.reason}")
-    raise RuntimeError(f"{fam.name}: {fam.reason}; nothing was patched")
+    raise RuntimeError(
+        f"{fam.name}: {fam.reason}; nothing was patched ({_versions()}). The family keeps "
+        f"transformers' own functions and runs as before; `mlarope info` lists every family and "
+        f"why. Where a transformers release changed the function, a transformers release this "
+        f"mlarope lists as tested (docs/transformers.md) patches it"
+    )
+
+
+def _versions() -> str:
+    """``transformers 5.25.0, kernels 0.19.1`` (the packages a refusal depends on)."""
+    from ._report_cache import installed_version
+
+    return ", ".join(f"{d} {installed_version(d)}" for d in ("transformers", "kernels"))
 
 
 def patch(fam: Family) -> None:
