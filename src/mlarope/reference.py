@@ -1,4 +1,5 @@
-"""The executable spec, in plain PyTorch: the semantics (docs/design.md) for both ops.
+"""The executable spec, in plain PyTorch: the semantics (docs/design.md) of the query and
+key/value ops, and of the latent op (``rmsnorm_rope_latent``: docs/semantics.md).
 
 It is the CPU backend of :func:`mlarope.apply_rope_q` / :func:`mlarope.apply_rope_kv` and the
 oracle of the tests. Math runs in float32 (float64 for float64 inputs) and is rounded once to
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, _latent_order
 from .positions import Positions, token_positions
 
 
@@ -324,3 +325,154 @@ def apply_rope_kv(
         kv, k_pe, cos2d, sin2d, positions,
         k_dim=k_dim, interleaved_in=interleaved, interleaved_out=interleaved_out,
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the latent op
+def _normalized(
+    x: torch.Tensor, eps: float, input_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm's pieces of ``x: [tokens..., L]`` (compute dtype): ``r = 1 / sqrt(var + eps)``
+    ``[tokens...]`` with ``var = sum(x * x) / L`` (``_latent_order.row_sum_of_products``),
+    ``h_hat = x * r`` and ``h_r``, ``h_hat`` rounded to ``input_dtype`` (back in the compute
+    dtype)."""
+    var = _latent_order.row_sum_of_products(x, x) / x.shape[-1]
+    r = _reciprocal_sqrt(var + eps)
+    h_hat = x * r[..., None]
+    return r, h_hat, h_hat.to(input_dtype).to(x.dtype)
+
+
+def _reciprocal_sqrt(v: torch.Tensor) -> torch.Tensor:
+    """``1 / sqrt(v)`` as two correctly rounded steps in ``v``'s dtype (the kernels' ``sqrt_rn``
+    and ``div_rn``). For fp32 each step runs in float64 and is rounded once to fp32, which is
+    the correctly rounded fp32 result (float64 has more than twice fp32's precision): PyTorch's
+    own fp32 ``sqrt`` on the CPU is not correctly rounded (it differed from the exact rounding
+    in a fifth of random inputs, by one unit)."""
+    if v.dtype == torch.float64:
+        return 1.0 / torch.sqrt(v)
+    root = torch.sqrt(v.double()).to(v.dtype)
+    return (1.0 / root.double()).to(v.dtype)
+
+
+def latent_dtype(ckv_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The latent's dtype: PyTorch's promotion of ``weight * h.to(ckv.dtype)``."""
+    return torch.promote_types(weight_dtype, ckv_dtype)
+
+
+def rmsnorm_rope_latent(
+    ckv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Positions,
+    *,
+    eps: float,
+    interleaved_in: bool,
+    interleaved_out: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent op on checked inputs: ``ckv: [tokens..., L + R]`` (``kv_a_proj_with_mqa``'s
+    output), ``weight: [L]``, ``cos, sin: [P, R]`` -> ``latent: [tokens..., L]`` and
+    ``k_pe: [tokens..., R]``.
+
+    ``latent`` is transformers' ``DeepseekV3RMSNorm`` of ``x = ckv[..., :L]``, rounded where that
+    module rounds: in fp32, ``var = sum(x * x) / L`` (in ``_latent_order``'s order),
+    ``h = x * (1 / sqrt(var + eps))`` rounded once to ``ckv.dtype``, then ``weight * h`` in
+    PyTorch's promotion (an fp32 product rounded once to ``promote(weight.dtype, ckv.dtype)``).
+    ``k_pe`` is ``ckv[..., L:]`` rotated as the query op rotates (fp32, one rounding to
+    ``ckv.dtype``). float64 inputs compute in float64."""
+    n_latent = weight.shape[0]
+    dtype = compute_dtype(ckv.dtype)
+    _, _, h_r = _normalized(ckv[..., :n_latent].to(dtype), eps, ckv.dtype)
+    out_dtype = latent_dtype(ckv.dtype, weight.dtype)
+    latent = canonical_nan((weight.to(dtype) * h_r).to(out_dtype))
+    return latent, _rotate_k_pe(
+        ckv[..., n_latent:], cos, sin, positions, interleaved_in, interleaved_out, False
+    )
+
+
+def _rotate_k_pe(x, cos, sin, positions, interleaved_in, interleaved_out, transpose):
+    """``x: [tokens..., R]`` rotated (or transpose-rotated), rounded once to its dtype."""
+    dtype = compute_dtype(x.dtype)
+    cos_rows, sin_rows, is_padding, in_range = _tables_for(
+        positions, x.shape[:-1], cos, sin, dtype, x.device
+    )
+    rotated = rotate_pairs(
+        x.unsqueeze(-2).to(dtype), cos_rows, sin_rows, is_padding, in_range,
+        interleaved_in=interleaved_in, interleaved_out=interleaved_out, inverse=False,
+        transpose=transpose,
+    )  # fmt: skip
+    return canonical_nan(rotated.squeeze(-2).to(x.dtype))
+
+
+def rmsnorm_rope_latent_backward(
+    g_latent: torch.Tensor,
+    g_pe: torch.Tensor,
+    ckv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Positions,
+    *,
+    eps: float,
+    interleaved_in: bool,
+    interleaved_out: bool,
+    weight_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The latent op's backward: ``g_latent: [tokens..., L]``, ``g_pe: [tokens..., R]`` (and the
+    forward's ``ckv``, ``weight``) -> ``d_ckv: [tokens..., L + R]`` (``ckv.dtype``) and
+    ``d_weight: [L]`` (``weight.dtype``; None unless ``weight_grad``).
+
+    In the compute dtype, with ``r``, ``h_hat = x * r`` and ``h_r`` recomputed from ``x`` as the
+    forward computes them: ``dh = g * weight``, ``dx = r * (dh - h_hat * m)`` with
+    ``m = sum(dh * h_hat) / L`` (``_latent_order.row_sum_of_products``, the subtraction one
+    ``fma``), rounded once to ``ckv.dtype``; ``d_weight = sum_t g * h_r``
+    (``_latent_order.token_sum_of_products``), rounded once to ``weight.dtype``; the rope part
+    is the transpose rotation of ``g_pe``, written in ``ckv``'s pair layout. The rounding of
+    ``h`` to ``ckv.dtype`` passes the gradient through, as autograd's cast does. Plain
+    differentiable PyTorch: the op's double backward differentiates this."""
+    n_latent = weight.shape[0]
+    dtype = compute_dtype(ckv.dtype)
+    r, h_hat, h_r = _normalized(ckv[..., :n_latent].to(dtype), eps, ckv.dtype)
+    g = g_latent.to(dtype)
+    dh = g * weight.to(dtype)
+    m = _latent_order.row_sum_of_products(dh, h_hat) / n_latent
+    dx = r[..., None] * _latent_order.fma(-h_hat, m[..., None], dh)
+    d_pe = _rotate_k_pe(g_pe, cos, sin, positions, interleaved_out, interleaved_in, True)
+    d_ckv = torch.cat((canonical_nan(dx.to(ckv.dtype)), d_pe.to(ckv.dtype)), dim=-1)
+    if not weight_grad:
+        return d_ckv, None
+    d_weight = _latent_order.token_sum_of_products(
+        g.reshape(-1, n_latent), h_r.reshape(-1, n_latent)
+    )
+    return d_ckv, canonical_nan(d_weight.to(weight.dtype))
+
+
+def rmsnorm_rope_latent_jvp(
+    t_ckv: torch.Tensor,
+    t_weight: torch.Tensor,
+    ckv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Positions,
+    *,
+    eps: float,
+    interleaved_in: bool,
+    interleaved_out: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent op's tangents (forward-mode AD) for tangents ``t_ckv`` of ``ckv`` and
+    ``t_weight`` of ``weight``: ``t_latent = weight * t_h + t_weight * h_r`` with
+    ``t_h = r * (t_x - h_hat * sum(t_x * h_hat) / L)`` (RMSNorm's Jacobian is symmetric: the
+    backward's formula), and ``t_pe``, the rotation of ``t_ckv[..., L:]``. Plain differentiable
+    PyTorch, in the compute dtype, rounded once to the outputs' dtypes."""
+    n_latent = weight.shape[0]
+    dtype = compute_dtype(ckv.dtype)
+    r, h_hat, h_r = _normalized(ckv[..., :n_latent].to(dtype), eps, ckv.dtype)
+    t_x = t_ckv[..., :n_latent].to(dtype)
+    m = _latent_order.row_sum_of_products(t_x, h_hat) / n_latent
+    t_h = r[..., None] * _latent_order.fma(-h_hat, m[..., None], t_x)
+    t_latent = weight.to(dtype) * t_h + t_weight.to(dtype) * h_r
+    out_dtype = latent_dtype(ckv.dtype, weight.dtype)
+    t_pe = _rotate_k_pe(
+        t_ckv[..., n_latent:], cos, sin, positions, interleaved_in, interleaved_out, False
+    )
+    return canonical_nan(t_latent.to(out_dtype)), t_pe
