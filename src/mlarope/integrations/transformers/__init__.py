@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _discovery, _measured, _patch, _report_cache
+from . import _attention, _discovery, _measured, _patch, _report_cache
 from ._rotation import Mapping
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "FamilyStatus",
     "FunctionStatus",
     "apply_mlarope",
+    "apply_mlarope_attention",
     "apply_mlarope_to_all",
     "apply_mlarope_to_deepseek_v2",
     "apply_mlarope_to_deepseek_v3",
@@ -72,6 +73,7 @@ __all__ = [
     "mlarope_patched_all",
     "revert_mlarope",
     "revert_mlarope_all",
+    "revert_mlarope_attention",
     "revert_mlarope_deepseek_v2",
     "revert_mlarope_deepseek_v3",
 ]
@@ -311,6 +313,38 @@ def revert_mlarope(target: torch.nn.Module | str) -> None:
     functions (the same objects) come back unless a :func:`mlarope_patched` block still holds
     them. Idempotent."""
     _patch.revert(_select(target, "target"))
+
+
+def apply_mlarope_attention(model: torch.nn.Module) -> dict[str, str]:
+    """Fuse the glue around RoPE in ``model``'s DeepSeek-structured MLA attention layers (the
+    attention-level path; docs/transformers.md, "The attention-level path"): the query rotated
+    in place in its projection's output, the latent's RMSNorm and ``k_pe``'s rotation in one
+    op, the key and value written by the key/value op. Only this model's layers change (their
+    ``forward``); the module-level rotary functions are patched as :func:`apply_mlarope` does,
+    for the calls the fused forward hands back (a KV cache) and the layers it does not fuse.
+
+    A layer qualifies by its structure (``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+    ``kv_b_proj``, ``o_proj``, the query's projections, the MLA widths) and by what it
+    computes: once per class, the fused forward is run against the layer's own on a short random
+    input, and a class that differs by more than rounding is left as it is. Idempotent. Undo
+    with :func:`revert_mlarope_attention`.
+
+    Returns:
+        Per attention class with a ``kv_a_proj_with_mqa``: ``"fused"`` or ``"not fused: why"``.
+    """
+    model = _patch.check_model_type(model, "model")
+    outcome = _attention.fuse(model)
+    if any(v == "fused" for v in outcome.values()):
+        apply_mlarope(model)
+    return outcome
+
+
+def revert_mlarope_attention(model: torch.nn.Module) -> None:
+    """Give ``model``'s fused attention layers their own forward back and release
+    :func:`apply_mlarope_attention`'s hold on the rotary functions. Idempotent."""
+    model = _patch.check_model_type(model, "model")
+    if _attention.unfuse(model):
+        revert_mlarope(model)
 
 
 def _worth_it(*, include_off_by_default: bool) -> list[_patch.Family]:

@@ -1,0 +1,285 @@
+"""The attention-level path: a DeepSeek-structured MLA attention's glue around RoPE, fused.
+
+transformers' DeepSeek-V3 attention (and every family built like it) computes, around its two
+rotations, a concatenation of the query (``cat(q_pass, q_rot)``), a key assembled in a new
+tensor (``new_empty`` and two ``copy_``, ``k_rot`` expanded over the heads) and an RMSNorm of
+the latent read from a strided split of ``kv_a_proj_with_mqa``'s output; their backwards
+assemble the query gradient and sum ``k_rot``'s over the heads. The fused forward keeps every
+GEMM and the attention call and replaces the rest with three mlarope ops:
+
+- the query: ``q_b_proj``'s (or ``q_proj``'s) output viewed ``[B, S, H, N + R]`` and rotated in
+  place (:func:`mlarope.apply_rope_q`, ``inplace=True``): no concatenation, and the backward
+  rotates the gradient without assembling it;
+- the latent: :func:`mlarope.rmsnorm_rope_latent` reads ``kv_a_proj_with_mqa``'s output
+  ``[B, S, L + R]`` once and writes the RMSNorm'd latent and the rotated ``k_pe`` (its backward
+  writes the input's gradient in one buffer, and the norm weight's);
+- the key and value: :func:`mlarope.apply_rope_kv` reads ``kv_b_proj``'s output and the rotated
+  ``k_pe`` once and writes ``k: [B, S, H, N + R]`` and ``v``; its backward sums ``k_pe``'s
+  gradient over the heads in the kernel. ``k_pe`` is already rotated, so the op rotates by the
+  identity (a one-row table ``cos = 1, sin = 0`` at position 0): ``a * 1 - b * 0`` is ``a``
+  exactly for every finite value.
+
+Which attentions qualify is found from the instances, never from class names: the submodules
+and widths of the structure (``kv_a_proj_with_mqa``, ``kv_a_layernorm`` with a weight of the
+latent's width, ``kv_b_proj``, ``o_proj``, and ``q_proj`` or ``q_a_proj``/``q_a_layernorm``/
+``q_b_proj``; ``num_heads``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
+``kv_lora_rank``, ``scaling``), and then by what it computes: the fused forward is run once per
+class against the instance's own forward on a short random input, and a class whose outputs
+differ by more than rounding is left as it is. A KV cache keeps what transformers' attention
+keeps (the latent and the rotated ``k_pe``); calls the fused path does not take (tables that
+require grad, other shapes or positional arguments) run the attention's own forward.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from collections.abc import Callable
+
+import torch
+
+import mlarope
+
+from ._rotation import ROPE_DIMS, _row_ids, _tables
+
+_ORIGINAL = "_mlarope_unfused_forward"  # the forward a fused attention had (bound)
+_OWN = "_mlarope_own_forward"  # an instance-level forward it had (None: its class's)
+# Per attention class and rope layout: whether the fused forward reproduces the class's own
+# (True), or why not.
+_VERDICTS: dict[tuple[type, bool], bool | str] = {}
+_LOCK = threading.RLock()
+_IDENTITY: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _structure(module: torch.nn.Module) -> str:
+    """Why ``module`` is not a DeepSeek-structured MLA attention ("" when it is)."""
+    needed = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+    missing = [n for n in needed if not isinstance(getattr(module, n, None), torch.nn.Module)]
+    if missing:
+        return f"no {', '.join(missing)}"
+    widths = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+    if not all(isinstance(getattr(module, n, None), int) for n in widths):
+        return "widths not all known (" + ", ".join(widths) + ")"
+    if not isinstance(getattr(module, "scaling", None), float):
+        return "no softmax scaling"
+    if module.qk_rope_head_dim not in ROPE_DIMS:
+        return f"rope width {module.qk_rope_head_dim} (mlarope rotates {ROPE_DIMS})"
+    if getattr(module, "q_proj", None) is None and not all(
+        isinstance(getattr(module, n, None), torch.nn.Module)
+        for n in ("q_a_proj", "q_a_layernorm", "q_b_proj")
+    ):
+        return "no q_proj nor q_a_proj / q_a_layernorm / q_b_proj"
+    weight = getattr(module.kv_a_layernorm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (module.kv_lora_rank,):
+        return "kv_a_layernorm has no weight of the latent's width"
+    if _eps(module) is None:
+        return "kv_a_layernorm has no epsilon (variance_epsilon or eps)"
+    if _modeling(module) is None:
+        return "no modeling module with transformers' attention functions"
+    return ""
+
+
+def _modeling(module: torch.nn.Module) -> types.ModuleType | None:
+    """The modeling module whose attention functions the layer's class calls: the first class
+    of its MRO whose module has transformers' attention registry and eager attention."""
+    for cls in type(module).__mro__:
+        found = sys.modules.get(cls.__module__)
+        if hasattr(found, "ALL_ATTENTION_FUNCTIONS") and hasattr(found, "eager_attention_forward"):
+            return found
+    return None
+
+
+def _eps(module: torch.nn.Module) -> float | None:
+    norm = module.kv_a_layernorm
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(norm, name, None)
+        if isinstance(value, float) and value > 0:
+            return value
+    return None
+
+
+def _interleaved(module: torch.nn.Module) -> bool:
+    return bool(getattr(getattr(module, "config", None), "rope_interleave", False))
+
+
+def _identity(device: torch.device, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos = 1, sin = 0``: a one-row table, for rotating by nothing."""
+    key = (device, rope_dim)
+    found = _IDENTITY.get(key)
+    if found is None:
+        found = (
+            torch.ones(1, rope_dim, device=device),
+            torch.zeros(1, rope_dim, device=device),
+        )
+        _IDENTITY[key] = found
+    return found
+
+
+def _takes(module, hidden_states, position_embeddings, args, kwargs) -> bool:
+    """The fused forward can take this call."""
+    if args:
+        return False
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        return False
+    if not isinstance(position_embeddings, (tuple, list)) or len(position_embeddings) != 2:
+        return False
+    cos, sin = position_embeddings
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (cos, sin)):
+        return False
+    batch, seq = hidden_states.shape[:2]
+    rope = module.qk_rope_head_dim
+    if cos.shape != sin.shape or cos.shape[1:] != (seq, rope) or cos.shape[0] not in (1, batch):
+        return False
+    if cos.is_complex() or cos.device != hidden_states.device or seq == 0:
+        return False
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return False
+    return not (
+        torch.autograd.forward_ad._current_level >= 0
+        and any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in (cos, sin))
+    )
+
+
+def fused_forward(module, hidden_states, position_embeddings, attention_mask=None, *args,
+                  **kwargs):  # fmt: skip
+    """The attention's forward with the glue fused (the module docstring); a call it cannot
+    take goes to the attention's own forward."""
+    original = module.__dict__[_ORIGINAL]
+    if not _takes(module, hidden_states, position_embeddings, args, kwargs):
+        return original(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    cache = kwargs.pop("cache", None)
+    legacy = kwargs.pop("past_key_values", None)  # the name before transformers 5.25
+    cache = legacy if cache is None else cache
+    batch, seq = hidden_states.shape[:2]
+    heads, nope, rope = module.num_heads, module.qk_nope_head_dim, module.qk_rope_head_dim
+    latent_dim, interleaved = module.kv_lora_rank, _interleaved(module)
+
+    cos, sin = position_embeddings
+    rows = cos.shape[0]
+    cos2, sin2 = _tables((cos, sin), rows * seq, "first_half" if interleaved else "full")
+    ids = None if rows == 1 else _row_ids(rows, seq, hidden_states.device)
+    where = dict(layout="bshd", position_ids=ids, interleaved=interleaved)
+
+    if getattr(module, "q_proj", None) is not None:
+        q = module.q_proj(hidden_states)
+    else:
+        q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
+    # In place through the projection's output (the view reshapes all of it, so the op marks
+    # that tensor dirty); the query is a plain view of it taken afterwards, whose gradient is a
+    # free reshape, where the op's returned view would cost a zero-fill and a copy backward.
+    mlarope.apply_rope_q(q.view(batch, seq, heads, nope + rope), cos2, sin2, inplace=True,
+                         **where)  # fmt: skip
+    q = q.view(batch, seq, heads, nope + rope)
+
+    ckv = module.kv_a_proj_with_mqa(hidden_states)
+    latent, k_pe = mlarope.rmsnorm_rope_latent(
+        ckv, module.kv_a_layernorm.weight, cos2, sin2, kv_lora_rank=latent_dim,
+        eps=_eps(module), **where,
+    )  # fmt: skip
+    if cache is not None:
+        # The cache keeps the latent and the rotated k_pe, as transformers' attention gives
+        # them ([B, 1, S, *]), and returns every token's so far ([B, 1, T, *]).
+        latent, k_pe = cache.update(
+            latent.view(batch, 1, seq, latent_dim), k_pe.view(batch, 1, seq, rope),
+            module.layer_idx, kwargs=kwargs,
+        )  # fmt: skip
+    keys = latent.shape[-2]
+    kv = module.kv_b_proj(latent.reshape(batch, keys, latent_dim))
+    kv = kv.view(batch, keys, heads, nope + module.v_head_dim)
+    one, zero = _identity(kv.device, rope)
+    at_zero = torch.zeros(batch, keys, dtype=torch.int32, device=kv.device)
+    k, v = mlarope.apply_rope_kv(
+        kv, k_pe.reshape(batch, keys, 1, rope), one, zero, k_dim=nope, layout="bshd",
+        position_ids=at_zero, interleaved=False,
+    )  # fmt: skip
+
+    modeling = _modeling(module)
+    interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
+        module.config._attn_implementation, modeling.eager_attention_forward
+    )
+    out, weights = interface(
+        module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
+        dropout=0.0 if not module.training else module.attention_dropout,
+        scaling=module.scaling, **kwargs,
+    )  # fmt: skip
+    out = out.reshape(batch, seq, -1).contiguous()
+    return module.o_proj(out), weights
+
+
+def _probe(module: torch.nn.Module) -> bool | str:
+    """Run the fused forward against ``module``'s own on a short random input (no gradient):
+    True when they agree within rounding, else why not."""
+    param = next(module.parameters())
+    dtype, device = param.dtype, param.device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    seq, rope = 5, module.qk_rope_head_dim
+    hidden = getattr(module, "hidden_size", None) or module.o_proj.out_features
+    x = torch.randn(1, seq, hidden, generator=gen).to(device, dtype)
+    angles = 6.3 * torch.rand(1, seq, rope // 2, generator=gen, dtype=torch.float64)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = (t.to(device, torch.float32) for t in (angles.cos(), angles.sin()))
+    try:
+        with torch.no_grad():
+            theirs = module.__dict__[_ORIGINAL](x, (cos, sin), None)[0]
+            ours = fused_forward(module, x, (cos, sin), None)[0]
+    except Exception as e:  # the class's own forward or ours refused the probe: not fused
+        return f"the probe raised {type(e).__name__}: {e}"
+    if ours.shape != theirs.shape or ours.dtype != theirs.dtype:
+        return (
+            f"the fused forward gave {tuple(ours.shape)} {ours.dtype}, the attention's own "
+            f"{tuple(theirs.shape)} {theirs.dtype}"
+        )
+    # Rounding moves the outputs by a few units of the dtype's precision (relative, by norm);
+    # a different structure (another scale, a missing norm, another pair layout) by O(1).
+    tolerance = 2.0**-12 if dtype in (torch.float32, torch.float64) else 2.0**-5
+    diff = float((ours.double() - theirs.double()).norm() / theirs.double().norm().clamp_min(1e-30))
+    if not diff <= tolerance:
+        return f"the fused forward differs from the attention's own by {diff:.3g} (relative)"
+    return True
+
+
+def fuse(model: torch.nn.Module) -> dict[str, str]:
+    """Fuse every DeepSeek-structured MLA attention of ``model``. Returns, per attention class
+    seen, ``"fused"`` or why not."""
+    outcome: dict[str, str] = {}
+    with _LOCK:
+        for module in model.modules():
+            if not hasattr(module, "kv_a_proj_with_mqa") or _ORIGINAL in module.__dict__:
+                if _ORIGINAL in module.__dict__:
+                    outcome[type(module).__name__] = "fused"
+                continue
+            name = type(module).__name__
+            why = _structure(module)
+            if why:
+                outcome[name] = f"not fused: {why}"
+                continue
+            module.__dict__[_ORIGINAL] = module.forward
+            module.__dict__[_OWN] = module.__dict__.get("forward")  # an instance's own, if any
+            key = (type(module), _interleaved(module))
+            verdict = _VERDICTS.get(key)
+            if verdict is None:
+                verdict = _VERDICTS[key] = _probe(module)
+            if verdict is True:
+                module.forward = types.MethodType(fused_forward, module)
+                outcome[name] = "fused"
+            else:
+                del module.__dict__[_ORIGINAL], module.__dict__[_OWN]
+                outcome[name] = f"not fused: {verdict}"
+    return outcome
+
+
+def unfuse(model: torch.nn.Module) -> int:
+    """Give every fused attention of ``model`` its own forward back; returns how many."""
+    count = 0
+    with _LOCK:
+        for module in model.modules():
+            if module.__dict__.pop(_ORIGINAL, None) is None:
+                continue
+            own: Callable | None = module.__dict__.pop(_OWN, None)
+            if own is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = own
+            count += 1
+    return count

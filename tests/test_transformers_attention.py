@@ -1,0 +1,194 @@
+"""The attention-level path (``apply_mlarope_attention``): a DeepSeek-structured MLA
+attention's glue around RoPE fused, against transformers itself.
+
+Oracles and tolerances as in ``test_integration_transformers`` (its tiny DeepSeek-V3 models and
+its rounding-noise bound: a fused run and transformers' are two fp32 evaluations of the same
+network, each within the network's own measured fp32 error of the float64 model, so they differ
+by at most about twice that; a wrong layout or a missing norm is O(1)). The copies are counted
+at PyTorch's dispatcher (``TorchDispatchMode``): the concatenations and copies transformers'
+attention makes around RoPE, which the fused path must not make; what mlarope's own ops do
+inside is their kernels (on the GPU the profile of ``benchmarks/transformers_models.py`` counts
+copy kernels).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("transformers")
+
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+
+import mlarope
+from mlarope.integrations import transformers as mt
+from tests.test_integration_transformers import BATCH, SEQ, _noise_bounds, _run, _v3_model
+
+
+@pytest.fixture(autouse=True)
+def _revert():
+    yield
+    mt.revert_mlarope_all()
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """How often each mlarope op of the fused path runs."""
+    calls = {"apply_rope_q": 0, "rmsnorm_rope_latent": 0, "apply_rope_kv": 0}
+    for name in calls:
+        real = getattr(mlarope, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mlarope, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "rope_interleave, heads, q_lora_rank", [(True, 3, 32), (False, 4, None)],
+    ids=["interleave-q_lora", "half_split-q_proj"],
+)  # fmt: skip
+def test_fused_model_matches_transformers(device, op_calls, rope_interleave, heads, q_lora_rank):
+    model = _v3_model(device, rope_interleave=rope_interleave, heads=heads, q_lora_rank=q_lora_rank)
+    model64 = copy.deepcopy(model).double()
+    ids = torch.randint(0, 64, (BATCH, SEQ), device=device)
+    orig32, orig64 = _run(model, ids, None), _run(model64, ids, None)
+    bounds = _noise_bounds(orig32, orig64)
+
+    assert mt.apply_mlarope_attention(model) == {"DeepseekV3Attention": "fused"}
+    for name in op_calls:
+        op_calls[name] = 0  # the probe's calls
+    fused = _run(model, ids, None)
+    assert op_calls == {"apply_rope_q": 2, "rmsnorm_rope_latent": 2, "apply_rope_kv": 2}
+    assert fused.keys() == orig32.keys()
+    for name, bound in bounds.items():
+        err = float((fused[name].double() - orig32[name].double()).abs().max())
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
+    # The float64 model fused runs mlarope's PyTorch reference. transformers' RMSNorm computes
+    # in fp32 even in a float64 model (its forward casts to fp32), the latent op in the input's
+    # precision, so the two float64 models differ by the norm's fp32 rounding: the fp32 bound.
+    mt.apply_mlarope_attention(model64)
+    fused64 = _run(model64, ids, None)
+    for name, bound in bounds.items():
+        err = float((fused64[name] - orig64[name]).abs().max())
+        assert err <= bound, f"float64 {name}: {err:.3e} > {bound:.3e}"
+
+    mt.revert_mlarope_attention(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+class _CopyCounter(TorchDispatchMode):
+    """Counts concatenations and copies whose result has one of ``sizes`` elements."""
+
+    OPS = ("aten.cat", "aten.copy_", "aten.clone", "aten._to_copy")
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.sizes, self.seen = set(sizes), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        if (
+            name.startswith(self.OPS)
+            and isinstance(out, torch.Tensor)
+            and out.numel() in self.sizes
+        ):
+            self.seen.append(name)
+        return out
+
+
+class _LayoutKeepingAttention(torch.autograd.Function):
+    """A stand-in for the attention kernel with the layout contract of the GPU's flash and
+    memory-efficient attention: its gradients are allocated like its inputs (``empty_like``),
+    whatever their strides, so the copies counted are the glue's, not the attention backend's
+    (on the CPU, SDPA's math path returns gradients in its own layout). It computes
+    ``sum(q * k, -1) * v``: a function of every element of q, k and v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return (q * k).sum(-1, keepdim=True) * v
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        through_v = (grad * v).sum(-1, keepdim=True)
+        dq = torch.mul(k, through_v, out=torch.empty_like(q))
+        dk = torch.mul(q, through_v, out=torch.empty_like(k))
+        dv = torch.mul(grad, (q * k).sum(-1, keepdim=True), out=torch.empty_like(v))
+        return dq, dk, dv
+
+
+def _layout_keeping_attention(module, query, key, value, attention_mask, **kwargs):
+    return _LayoutKeepingAttention.apply(query, key, value).transpose(1, 2), None
+
+
+def _one_layer_copies(device, fuse):
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("mlarope_test_layout_keeping", _layout_keeping_attention)
+    model = _v3_model(device, rope_interleave=True, heads=4, q_lora_rank=32)
+    model.config._attn_implementation = "mlarope_test_layout_keeping"
+    if fuse:
+        assert mt.apply_mlarope_attention(model) == {"DeepseekV3Attention": "fused"}
+    layer = model.model.layers[0].self_attn
+    config = model.config
+    x = torch.randn(BATCH, SEQ, config.hidden_size, device=device, requires_grad=True)
+    positions = torch.arange(SEQ, device=device)[None]
+    cos, sin = model.model.rotary_emb(x, positions)
+    heads, head = config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim
+    q_or_k = BATCH * SEQ * heads * head
+    with _CopyCounter({q_or_k}) as counter:
+        out, _ = layer(x, (cos, sin), None)
+        out.sum().backward()
+    return counter.seen
+
+
+def test_the_fused_layer_makes_no_q_or_k_sized_copy(device):
+    """transformers' DeepSeek-V3 attention concatenates the query and assembles the key in a
+    new tensor, and its backward assembles the query's gradient: the probe sees those (5 with
+    transformers 5.25); the fused layer makes none, forward or backward."""
+    unfused = _one_layer_copies(device, fuse=False)
+    assert unfused.count("aten.cat") >= 2, unfused  # the probe sees transformers' copies
+    assert _one_layer_copies(device, fuse=True) == []
+
+
+def test_a_class_that_computes_otherwise_is_not_fused(device):
+    """Found by what it computes: an attention of the same structure whose forward scales its
+    output is left as it is, with the reason."""
+
+    class Scaled(hf_v3.DeepseekV3Attention):
+        def forward(self, *args, **kwargs):
+            out, weights = super().forward(*args, **kwargs)
+            return 1.5 * out, weights
+
+    model = _v3_model(device, rope_interleave=True)
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = Scaled
+    (verdict,) = mt.apply_mlarope_attention(model).values()
+    assert verdict.startswith("not fused: the fused forward differs"), verdict
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_cache_calls_run_the_attentions_own_forward(device):
+    """Generation with a KV cache: the fused layer hands those calls to its own forward (with
+    the rotary functions patched), and greedy decoding gives the same tokens."""
+    model = _v3_model(device, rope_interleave=True).eval()
+    ids = torch.randint(3, 60, (1, 5), device=device)
+    greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **greedy)
+    mt.apply_mlarope_attention(model)
+    assert torch.equal(model.generate(ids, **greedy), want)
+
+
+def test_a_model_without_mla_attention_is_left_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert mt.apply_mlarope_attention(model) == {}
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+        mt.apply_mlarope_attention("deepseek_v3")
