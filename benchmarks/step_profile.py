@@ -36,6 +36,7 @@ import torch
 CATEGORIES = ("GEMM", "attention", "RoPE", "norms", "copies & cat", "other elementwise", "other")
 SCOPE = "mlarope_bench::"  # the prefix of the profiler ranges this module opens
 _EVALUATE = "autograd::engine::evaluate_function: "
+_CPU_DEVICE, _CUDA_DEVICE = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
 # Kernel names (CUDA), tried in kernel_category's order.
 _GEMM = re.compile(r"gemm|cutlass|cublas|xmma|nvjet|gemv|grouped_mm|matmul", re.I)
@@ -71,9 +72,13 @@ def mlarope_kernel_names() -> frozenset[str]:
     for module in ("q", "kv", "lookup", "serving", "output_quant"):
         found = importlib.import_module(f"mlarope.kernels.{module}")
         for value in vars(found).values():
-            jit = isinstance(value, triton.runtime.JITFunction)
-            if jit and value.__name__.endswith("_kernel"):
-                names.add(value.__name__)
+            # KernelInterface: a JITFunction, or the interpreter's InterpretedFunction.
+            kernel = isinstance(value, triton.runtime.KernelInterface)
+            name = getattr(value, "__name__", "") or getattr(
+                getattr(value, "fn", None), "__name__", ""
+            )
+            if kernel and name.endswith("_kernel"):
+                names.add(name)
     return frozenset(names)
 
 
@@ -173,7 +178,7 @@ class _Scopes:
     def __init__(self, events):
         creators = {}  # sequence_nr -> the last forward op recorded with it
         for e in events:
-            cpu = e.device_type == torch.autograd.DeviceType.CPU
+            cpu = e.device_type == _CPU_DEVICE
             if cpu and e.sequence_nr >= 0 and self._backward(e) is None:
                 best = creators.get(e.sequence_nr)
                 if best is None or e.time_range.start >= best.time_range.start:
@@ -198,33 +203,77 @@ class _Scopes:
         return None if node is None else self.node_scope.get(node.sequence_nr)
 
 
-def categorize(prof, device: torch.device, rope_kernels: frozenset[str]) -> dict[str, float]:
+UNLINKED = "(device time no op launched)"
+
+
+def device_kernels(events) -> list[tuple[str, float, object]]:
+    """``(name, ms, the CPU event that launched it or None)`` for every device event (kernel,
+    memcpy, memset) of ``events``, the scope ranges' own device-side spans left out.
+
+    Through each device event's ``linked_correlation_id`` (the launching op's id) where the
+    profiler keeps it; else (older torch) through the kernels each op lists, with what no op
+    lists as one ``UNLINKED`` entry, so that the sum is the device time either way."""
+    device = [
+        e
+        for e in events
+        if e.device_type == _CUDA_DEVICE
+        and not getattr(e, "is_user_annotation", False)
+        and not e.name.startswith(SCOPE)
+    ]
+    if all(hasattr(e, "linked_correlation_id") for e in device):
+        # Ops have no linked id; the CUDA runtime's own CPU events do, and their ids are
+        # another counter's, so only the ops name launchers.
+        ops = {
+            e.id: e for e in events if e.device_type == _CPU_DEVICE and not e.linked_correlation_id
+        }
+        return [
+            (e.name, e.time_range.elapsed_us() / 1e3, ops.get(e.linked_correlation_id))
+            for e in device
+        ]
+    found = [
+        (k.name, k.duration / 1e3, e)
+        for e in events
+        if e.device_type == _CPU_DEVICE
+        for k in e.kernels
+        if not k.name.startswith(SCOPE)
+    ]
+    rest = sum(e.time_range.elapsed_us() for e in device) / 1e3 - sum(ms for _, ms, _ in found)
+    return found + ([(UNLINKED, rest, None)] if rest > 1e-6 else [])
+
+
+def categorize(prof, device: torch.device, rope_kernels: frozenset[str], top: int = 0) -> dict:
     """Milliseconds per category (``CATEGORIES``) of a finished ``torch.profiler.profile`` of
-    one step; ``"total"`` is their sum."""
+    one step; ``"total"`` is their sum; ``"top"``: the ``top`` largest kernels (ops on the
+    CPU) with their category and scope, ``[name, category, scope, ms, count]``."""
     events = list(prof.events())
     scopes_of = _Scopes(events)
     out = dict.fromkeys(CATEGORIES, 0.0)
+    named: dict[tuple, list] = {}
+
+    def add(name: str, category: str, scope: str | None, ms: float) -> None:
+        out[category] += ms
+        entry = named.setdefault((name, category, scope), [0.0, 0])
+        entry[0] += ms
+        entry[1] += 1
+
     if device.type == "cuda":
-        by_id = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
-        for e in events:
-            if e.device_type != torch.autograd.DeviceType.CUDA or e.is_user_annotation:
-                continue
-            if e.name.startswith(SCOPE):  # the ranges' own device-side copies
-                continue
-            launcher = by_id.get(getattr(e, "linked_correlation_id", 0))
-            category = kernel_category(e.name, scopes_of.of(launcher), rope_kernels)
-            out[category] += e.time_range.elapsed_us() / 1e3
+        for name, ms, launcher in device_kernels(events):
+            scope = scopes_of.of(launcher)
+            add(name, kernel_category(name, scope, rope_kernels), scope, ms)
     else:
         for e in events:
-            if e.device_type != torch.autograd.DeviceType.CPU:
-                continue
-            out[op_category(e.name, scopes_of.of(e))] += e.self_cpu_time_total / 1e3
+            if e.device_type == _CPU_DEVICE:
+                scope = scopes_of.of(e)
+                add(e.name, op_category(e.name, scope), scope, e.self_cpu_time_total / 1e3)
     out["total"] = sum(out[c] for c in CATEGORIES)
+    largest = sorted(named.items(), key=lambda item: -item[1][0])[:top]
+    out["top"] = [[n[:160], c, s, round(ms, 4), k] for (n, c, s), (ms, k) in largest]
     return out
 
 
-def profile_step(step, device: torch.device, model, rotary_module, rotary_names) -> dict:
-    """Run ``step()`` once under the profiler with the scopes open; its categories (ms)."""
+def profile_step(step, device, model, rotary_module, rotary_names, top: int = 0) -> dict:
+    """Run ``step()`` once under the profiler with the scopes open; its categories (ms) and
+    ``top`` largest kernels (``categorize``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -235,4 +284,4 @@ def profile_step(step, device: torch.device, model, rotary_module, rotary_names)
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return categorize(prof, device, mlarope_kernel_names())
+    return categorize(prof, device, mlarope_kernel_names(), top)

@@ -10,9 +10,12 @@ with zero experts) and ``glm_moe_dsa`` (a dense and an MoE layer, a DSA indexer)
 
 from __future__ import annotations
 
+import collections
 import json
+import types
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -103,3 +106,62 @@ def test_kernel_names_fall_in_their_categories():
     assert step_profile.kernel_category(mul, "norm", rope) == "norms"
     assert step_profile.kernel_category(mul, "rope", rope) == "RoPE"
     assert step_profile.kernel_category("nvjet_tst_x", "norm", rope) == "GEMM"
+
+
+def _events(linked: bool) -> list:
+    """A profile's events as torch.profiler gives them, on CUDA: a norm's forward multiply and
+    its backward, an add and its backward's copy outside the scopes, a GEMM, the scope's own
+    device-side span, and a CUDA runtime event whose id collides with an op's."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    Kernel = collections.namedtuple("Kernel", ["name", "device", "duration"])
+
+    def event(name, eid, *, device=cpu, parent=None, seq=-1, start=0.0, us=0.0, link=0, **kw):
+        span = types.SimpleNamespace(start=start, elapsed_us=lambda: us)
+        fields = dict(name=name, id=eid, device_type=device, cpu_parent=parent, sequence_nr=seq,
+                      time_range=span, kernels=[], is_user_annotation=False,
+                      self_cpu_time_total=0.0, **kw)  # fmt: skip
+        if linked or device == cpu:
+            fields["linked_correlation_id"] = link
+        return types.SimpleNamespace(**fields)
+
+    norm = event(step_profile.SCOPE + "norm", 1, start=0.5)
+    mul = event("aten::mul", 2, parent=norm, seq=5, start=1.0)
+    add = event("aten::add", 3, seq=6, start=2.0)
+    mm = event("aten::mm", 4, seq=7, start=3.0)
+    mul_node = event("autograd::engine::evaluate_function: MulBackward0", 10, seq=5, start=4.0)
+    mul_bwd = event("aten::mul", 11, parent=mul_node, start=4.1)
+    add_node = event("autograd::engine::evaluate_function: AddBackward0", 12, seq=6, start=5.0)
+    copy = event("aten::copy_", 13, parent=add_node, start=5.1)
+    runtime = event("cudaLaunchKernel", 2, link=4)  # a runtime event: its id is CUPTI's
+    elementwise = "void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor>"
+    kernels = [
+        (elementwise, 10.0, mul),
+        (elementwise, 20.0, add),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_TNN", 30.0, mm),
+        (elementwise, 40.0, mul_bwd),
+        ("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>", 5.0, copy),
+    ]
+    device = [event(n, 100 + i, device=cuda, us=us, link=op.id) for i, (n, us, op) in
+              enumerate(kernels)]  # fmt: skip
+    for name, us, op in kernels:
+        op.kernels.append(Kernel(name, 0, us))
+    span = event(step_profile.SCOPE + "norm", 200, device=cuda, us=99.0, link=1)
+    span.is_user_annotation = True
+    unlisted = [] if linked else [event("_rope_q_kernel", 300, device=cuda, us=7.0)]
+    cpu_events = [norm, mul, add, mm, mul_node, mul_bwd, add_node, copy, runtime]
+    return cpu_events + device + [span] + unlisted
+
+
+@pytest.mark.parametrize("linked", [True, False], ids=["linked ids", "kernels of each op"])
+def test_device_time_goes_to_the_scope_of_its_forward(linked):
+    """The CUDA path on fake events: a backward kernel belongs to the norm whose forward op made
+    its autograd node; what no op launched still counts (torch without linked ids)."""
+    prof = types.SimpleNamespace(events=lambda: _events(linked))
+    rope = step_profile.mlarope_kernel_names()
+    got = step_profile.categorize(prof, torch.device("cuda"), rope, top=10)
+    want = dict.fromkeys(step_profile.CATEGORIES, 0.0)
+    want.update({"norms": 0.05, "other elementwise": 0.02, "GEMM": 0.03, "copies & cat": 0.005})
+    if not linked:
+        want["other"] = 0.007  # the unlisted kernel: no op, no name to go by
+    assert {k: round(got[k], 9) for k in step_profile.CATEGORIES} == want
+    assert got["total"] == pytest.approx(sum(want.values()))
