@@ -104,13 +104,20 @@ def _get(text, fields: dict, name: str):
     return tl._attribute(text, name) if value is None else value
 
 
+def experts(text) -> int:
+    """The routed experts of a (text) config; 0 for a dense model."""
+    fields = text.to_dict()
+    counts = [_get(text, fields, n) for n in EXPERT_COUNTS]
+    return max((n for n in counts if isinstance(n, int)), default=0)
+
+
 def moe_fields(text) -> tuple[dict, dict]:
     """``(config fields, fields to set after)`` that cut the experts to ``EXPERTS``: the
     second holds the top-k a config leaves unset (None), which ``_config`` does not set."""
     fields = text.to_dict()
     counts = [_get(text, fields, n) for n in EXPERT_COUNTS]
-    experts = max((n for n in counts if isinstance(n, int)), default=0)
-    if experts <= EXPERTS:
+    n_experts = experts(text)
+    if n_experts <= EXPERTS:
         return {}, {}
     over = {n: EXPERTS for n, v in zip(EXPERT_COUNTS, counts, strict=True) if v is not None}
     unset = {}
@@ -122,7 +129,7 @@ def moe_fields(text) -> tuple[dict, dict]:
         if isinstance(_get(text, fields, name), int):
             over[name] = 1
     if isinstance(fields.get("zero_expert_num"), int):  # longcat_flash: identity experts
-        over["zero_expert_num"] = round(fields["zero_expert_num"] * EXPERTS / experts)
+        over["zero_expert_num"] = round(fields["zero_expert_num"] * EXPERTS / n_experts)
     return over, unset
 
 
@@ -170,7 +177,7 @@ def model_config(family: str, tiny: bool):
     sparse = [i for i, t in enumerate(kinds) if t != "dense"]
     mlp = [dense[0], sparse[0]] if dense and sparse else [0, 1]
     over, unset = moe_fields(text)
-    if (fields.get("first_k_dense_replace") or 0) > 0 and over:
+    if (fields.get("first_k_dense_replace") or 0) > 0 and experts(text):
         over["first_k_dense_replace"] = 1
     if tiny:
         over = {**tl.SMALL_MLP, **over}
@@ -231,7 +238,7 @@ def build(family: str, device: torch.device, tiny: bool) -> tuple[torch.nn.Modul
         "model": type(model).__name__,
         "layers": " + ".join(f"MLA/{k}" for k in kinds),
         "widths": tl._widths(text, attention),
-        "experts": f"{EXPERTS}, top {top_k}" if "MoE" in kinds else "-",
+        "experts": f"{experts(text)}, top {top_k}" if "MoE" in kinds else "-",
         "vocab": text.vocab_size,
         "params": sum(p.numel() for p in model.parameters()),
         "attention": implementation,
