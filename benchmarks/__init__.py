@@ -14,6 +14,8 @@ Each file is a script, run from the repository root with the package importable 
 - ``q_inplace_layouts.py``: the in-place query kernel by pair layout, direction and tile;
 - ``transformers_layers.py``: one real-size transformers MLA attention layer per family,
   unpatched and through mlarope;
+- ``transformers_models.py``: a whole two-layer transformers model per family, its training
+  step unpatched and patched, with ``step_profile.py``, where a profiled step's time goes;
 - ``megatron_layers.py``: one DeepSeek-V3-size Megatron-Core ``MLASelfAttention``, Megatron's
   fused RoPE, mlarope's patch and unfused, built by ``megatron_layer.py`` (the builder the
   Megatron-Core layer test imports).

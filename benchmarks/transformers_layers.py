@@ -78,36 +78,61 @@ class _Stop(Exception):
     """Raised by the pre-hook once it holds the attention layer's arguments."""
 
 
-def _config(family: str, layers: int, tiny: bool):
-    """The family's default config with ``layers`` layers, small MLPs (and widths if tiny)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+def _config(
+    family: str,
+    layers: int,
+    tiny: bool,
+    *,
+    mlp: dict | None = None,
+    small_vocab: bool = True,
+    sources=None,
+):
+    """The family's default config with ``layers`` layers, small MLPs (and widths if tiny).
 
-    model_type = _build_model_type(family)
-    config_class = CONFIG_MAPPING[model_type]
-    default = config_class()
-    text = default.get_text_config()
+    ``mlp``: the fields that size the MLPs and experts, set where the config has them (default
+    ``SMALL_MLP``: here they never run); ``small_vocab``: a 256-token vocabulary (the layer
+    benchmark never reaches the head); ``sources(name)``: for the per-layer list or map
+    ``name``, the default layers whose entries the ``layers`` kept layers take (default: the
+    first ``layers``)."""
+    config_class, default, text = default_config(family)
     n_layers = text.num_hidden_layers
     fields = text.to_dict()
     over = {"num_hidden_layers": layers, "use_cache": False}
     if "num_layers" in fields and n_layers == 2 * fields["num_layers"]:  # longcat_flash
         over = {"num_layers": max(layers // 2, 1), "use_cache": False}
-    for name, value in {**SMALL_MLP, **(TINY if tiny else {})}.items():
+    for name, value in {**(SMALL_MLP if mlp is None else mlp), **(TINY if tiny else {})}.items():
         if fields.get(name) is not None or _attribute(text, name) is not None:
             over[name] = value
     if tiny and _attribute(text, "linear_head_dim") is not None:  # linear attention's width
         over["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]
-    if "vocab_size" in fields:
+    if "vocab_size" in fields and small_vocab:
         specials = [fields.get(n) for n in ("pad_token_id", "bos_token_id", "eos_token_id")]
         ids = [i for s in specials for i in (s if isinstance(s, list) else [s]) if i is not None]
         over["vocab_size"] = max([256, *(i + 1 for i in ids)])
     for name, value in fields.items():  # per-layer lists and maps, cut to the layers kept
+        kept = list(range(layers)) if sources is None else list(sources(name))
         if isinstance(value, list) and len(value) == n_layers:
-            over[name] = value[:layers]
+            over[name] = [value[i] for i in kept]
         elif isinstance(value, dict) and name == "per_layer_config":
-            over[name] = {i: v for i, v in value.items() if int(i) < layers}
+            over[name] = {
+                (key if int(key) == new else str(new).zfill(len(key))): value[key]
+                for new, old in enumerate(kept)
+                for key in value
+                if int(key) == old
+            }
     if text is default:
         return config_class(**over)
     return config_class(text_config=over)
+
+
+def default_config(family: str) -> tuple:
+    """``(config class, its default config, the default text config)`` of the family's model
+    type (the text config is the default config itself unless the model is composite)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[_build_model_type(family)]
+    default = config_class()
+    return config_class, default, default.get_text_config()
 
 
 def _attribute(config, name: str):
@@ -126,7 +151,9 @@ def _build_model_type(family: str) -> str:
     return next(t for t in row.model_types if t in configs)
 
 
-def _model(config, device: torch.device):
+def _model(config, device: torch.device, *, auto=None):
+    """``(model, attention implementation)``: ``auto.from_config(text config)`` (default
+    ``AutoModel``: the base model) on ``device``, with sdpa attention where the family has it."""
     from transformers import AutoModel
 
     text = config.get_text_config()
@@ -134,7 +161,7 @@ def _model(config, device: torch.device):
         text._attn_implementation = implementation
         try:
             with torch.device(device):
-                return AutoModel.from_config(text), implementation
+                return (auto or AutoModel).from_config(text), implementation
         except ValueError as exc:  # "does not support an attention implementation ..."
             if "does not support" not in str(exc):
                 raise
@@ -498,9 +525,14 @@ def _widths(text, attention) -> str:
 
 
 def families(spec: str) -> list[str]:
-    patched = [r.name for r in mt.family_report() if r.status == "patched"]
+    """``"all"``: every patched family; ``"default"``: those ``apply_mlarope_to_all()`` patches
+    with its defaults (the patched ones not off by default); or a comma list of patched ones."""
+    report = mt.family_report()
+    patched = [r.name for r in report if r.status == "patched"]
     if spec == "all":
         return patched
+    if spec == "default":
+        return [r.name for r in report if r.status == "patched" and not r.off_by_default]
     chosen = spec.split(",")
     unknown = [f for f in chosen if f not in patched]
     if unknown:

@@ -5,6 +5,7 @@
 #   OUT=DIR bash scripts/gpu_lane.sh [info] [stress] [bench] [tests] [cp] [compile_debug]
 #                                    [sweep] [sweep_base] [host] [decode] [megatron_tests]
 #                                    [transformers_layers] [host_grad] [megatron_layers] [serving]
+#                                    [transformers_models]
 #   (default: the first six, in that order; sweep = benchmarks/sweep.py, the launch-config
 #   sweep; sweep_base = its heuristic rows for a package copy in .ab/base, an A/B baseline:
 #   copy another commit's src/mlarope there and carry .ab (the current benchmarks/sweep.py runs
@@ -19,7 +20,11 @@
 #   DeepSeek-V3-size Megatron-Core MLA layer, Megatron's fused RoPE, mlarope's patch and
 #   unfused, sbhd and thd, benchmarks/megatron_layers.py (Megatron-LM checkout as for
 #   megatron_tests); serving = mlarope.serving's
-#   GPU tests, then its benchmark, writing serving.json and serving.md)
+#   GPU tests, then its benchmark, writing serving.json and serving.md; transformers_models = a
+#   whole two-layer transformers model of every default family (default widths, 8 experts), its
+#   training step unpatched and with apply_mlarope_to_all()'s defaults at sequences 4096 and
+#   128: time, peak memory, GPU time by category, host time, benchmarks/transformers_models.py,
+#   writing transformers_models.md and transformers_models.json)
 #
 # Runs from the repo root with the machine's own python3 (torch and triton preinstalled); the
 # package is used from src/ via PYTHONPATH. Wheels in .whl/ (megatron-core for the benchmark)
@@ -143,6 +148,17 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2086
       timeout "${SERVING_SECONDS:-240}" python3 -m mlarope.tools.bench.serving --out "$OUT" \
         ${SERVING_ARGS:-} 2>&1 | tail -100 ;;
+    transformers_models)
+      # A whole two-layer model per family (docs/transformers.md, "Whole models"): training
+      # step unpatched and patched, peak memory, GPU time by category (GEMM, attention, RoPE,
+      # norms, copies and cat, other elementwise, other), host time. The files are rewritten
+      # after each row, so a run its timeout cuts keeps what it measured. MODELS_ARGS: more arguments,
+      # e.g. "--families deepseek_v3,minicpm3 --sync-check" or "--variants unpatched,patched_all".
+      # shellcheck disable=SC2086
+      timeout "${MODELS_SECONDS:-400}" python3 -m benchmarks.transformers_models \
+        --out "$OUT/transformers_models.md" --json "$OUT/transformers_models.json" \
+        ${MODELS_ARGS:-} 2>&1 | grep -E "^(\||transformers_models|Traceback|[A-Za-z.]*Error)" \
+        | tail -80 ;;
     compile_debug)
       # Inductor's generated code for the torch.compile tests of the query op (how the CUDA-only
       # compiled-gradient bug was found and its fix checked; docs/gpu_lane.md).
