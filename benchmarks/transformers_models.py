@@ -21,7 +21,8 @@ layers, bf16, batch 1, sdpa attention where the family has it (else eager), at e
 
 Variants (``VARIANTS``: a name and a context manager, the first chosen is the baseline):
 ``unpatched``; ``patched``, ``apply_mlarope_to_all()`` with its defaults inside the block,
-``revert_mlarope_all()`` after; ``patched_all``, the same with ``include_off_by_default=True``.
+``revert_mlarope_all()`` after; ``patched_all``, the same with ``include_off_by_default=True``;
+``fused``, ``patched`` and the attention-level path (``apply_mlarope_attention(model)``).
 
 Measured per family, sequence and variant: the step's time (CUDA events; warm-up, then
 alternating blocks of the variants, reversed every other round; the median of all iterations,
@@ -87,10 +88,27 @@ def patched_defaults(*, include_off_by_default: bool = False):
         mt.revert_mlarope_all()
 
 
-VARIANTS: list[tuple[str, Callable[[], contextlib.AbstractContextManager]]] = [
-    ("unpatched", contextlib.nullcontext),
-    ("patched", patched_defaults),
-    ("patched_all", lambda: patched_defaults(include_off_by_default=True)),
+@contextlib.contextmanager
+def fused_attention(model):
+    """``patched`` and the attention-level path (``apply_mlarope_attention(model)``) inside the
+    block, both reverted after."""
+    mt.apply_mlarope_to_all()
+    outcome = mt.apply_mlarope_attention(model)
+    if not any(v == "fused" for v in outcome.values()):
+        print(f"transformers_models: nothing fused: {outcome}", file=sys.stderr)
+    try:
+        yield
+    finally:
+        mt.revert_mlarope_attention(model)
+        mt.revert_mlarope_all()
+
+
+# name -> a context manager of the model that puts the variant in place for the block
+VARIANTS: list[tuple[str, Callable[[torch.nn.Module], contextlib.AbstractContextManager]]] = [
+    ("unpatched", lambda model: contextlib.nullcontext()),
+    ("patched", lambda model: patched_defaults()),
+    ("patched_all", lambda model: patched_defaults(include_off_by_default=True)),
+    ("fused", fused_attention),
 ]
 
 
@@ -315,7 +333,7 @@ def measure(family: str, model, seq: int, args, device, variants) -> list[dict]:
             for name, _ in variants}  # fmt: skip
     for name, variant in variants:
         count = tl._Count(family)
-        with variant():
+        with variant(model):
             rows[name]["loss"] = float(step())
             for _ in range(args.warmup):
                 step()
@@ -326,14 +344,14 @@ def measure(family: str, model, seq: int, args, device, variants) -> list[dict]:
     times = {name: [] for name, _ in variants}
     for r in range(rounds):
         for name, variant in variants if r % 2 == 0 else variants[::-1]:
-            with variant():
+            with variant(model):
                 block = [tl.timed(step, device) for _ in range(args.iters)]
             times[name] += block
             rows[name]["blocks"].append(statistics.median(block))
     for name, variant in variants:
         row = rows[name]
         row["step_ms"] = statistics.median(times[name])
-        with variant():
+        with variant(model):
             model.zero_grad(set_to_none=True)
             row["peak_gib"] = peak_gib(step, device)
             row["host_step_ms"] = statistics.median(host_ms(step, device)
