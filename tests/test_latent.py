@@ -148,8 +148,8 @@ def test_normalized_value_rounded_to_the_input_dtype(dtype, device):
 
 def test_weight_gradient_over_many_tokens(device):
     """2,100 tokens: 66 program partials, so the partials' sum runs over two chunks; the fp64
-    truth, and the reference's order bit for bit (no fused multiply-add: bf16 products are
-    exact)."""
+    truth, and under the interpreter the reference's order bit for bit (no fused multiply-add:
+    bf16 products are exact)."""
     case = Case(layout="thd", tokens=(2100,), latent=32, rope=32, table_rows=2100)
     ckv, weight, _, _, _, cos2d, sin2d, positions = _checked(case, device)
     g_latent, g_pe = make_grads(ckv, weight, case)
@@ -158,6 +158,11 @@ def test_weight_gradient_over_many_tokens(device):
         g_latent, g_pe, ckv, weight, cos2d, sin2d, positions, case
     )
     assert_close_elementwise(d_weight, w_truth, w_tol, "d_weight over 2,100 tokens")
+    if device.type != "cpu":
+        # On the GPU the kernel's reductions (tl.sum's tree, fused multiply-adds) and PyTorch's
+        # order the reference's sums differently: the fp64 truth above is the bound there (this
+        # comparison failed on the H200 in run J3; docs/gpu_lane.md).
+        return
     ref_ckv, ref_weight = reference.rmsnorm_rope_latent_backward(
         g_latent, g_pe, ckv, weight, cos2d, sin2d, positions, eps=case.eps,
         interleaved_in=True, interleaved_out=False,

@@ -218,7 +218,8 @@ def _probe(module: torch.nn.Module) -> bool | str:
     x = torch.randn(1, seq, hidden, generator=gen).to(device, dtype)
     angles = 6.3 * torch.rand(1, seq, rope // 2, generator=gen, dtype=torch.float64)
     angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = (t.to(device, torch.float32) for t in (angles.cos(), angles.sin()))
+    # In the layer's dtype, as transformers' rotary embedding hands them over.
+    cos, sin = (t.to(device, dtype) for t in (angles.cos(), angles.sin()))
     try:
         with torch.no_grad():
             theirs = module.__dict__[_ORIGINAL](x, (cos, sin), None)[0]
