@@ -192,3 +192,12 @@ def test_a_model_without_mla_attention_is_left_alone():
     assert mt.apply_mlarope_attention(model) == {}
     with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         mt.apply_mlarope_attention("deepseek_v3")
+
+
+def test_a_bf16_model_is_fused(device):
+    """The probe hands the layer tables in its own dtype, as transformers' rotary embedding
+    does (with fp32 tables a bf16 layer's own forward promoted its query to fp32, and the probe
+    refused every bf16 model: found on the H200)."""
+    model = _v3_model(device, rope_interleave=True).to(torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    assert mt.apply_mlarope_attention(model) == {"DeepseekV3Attention": "fused"}
