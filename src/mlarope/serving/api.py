@@ -186,6 +186,7 @@ def rope_inverse_quant_output(
     scale_dtype: torch.dtype | None = None,
     interleaved: bool = True,
     interleaved_out: bool = True,
+    pair_tables: bool = False,
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4's attention output for its FP8 grouped output projection, in one launch:
@@ -196,7 +197,9 @@ def rope_inverse_quant_output(
         o: ``[T, H, D]`` attention output, heads ``[nope | rope]`` (DeepSeek-V4: ``D = 512``,
             rope the last ``R = 64``), bf16, fp16 or fp32; last dim contiguous, any token and
             head strides. ``D`` a multiple of 128.
-        cos, sin: ``[P, R]`` tables of the positions' rope set, fp32 preferred.
+        cos, sin: ``[P, R]`` tables of the positions' rope set, fp32 preferred; with
+            ``pair_tables=True``, ``[P, R / 2]``. ``R`` comes from the tables, so an engine's
+            ``cos_sin_cache`` halves without the flag are refused.
         positions: ``[T]`` int32/int64, each token's (query) position. A position outside
             ``[0, P)`` gives NaN rope values (e4m3 code ``0x7F``); ``validate=True`` raises.
         groups: ``G``, the output projection's head groups (DeepSeek-V4's ``o_groups`` on this
@@ -213,6 +216,8 @@ def rope_inverse_quant_output(
             ``scale_out`` when given.
         interleaved, interleaved_out: the rope pairs' layout in ``o`` and in ``out``
             (DeepSeek-V4: interleaved in and out, the defaults).
+        pair_tables: ``cos, sin`` are pair tables ``[P, R / 2]``, as in
+            :func:`rope_append_kv_cache`.
         validate: check the positions on the device (a sync). Also ``MLAROPE_VALIDATE=1``.
 
     Returns:
@@ -228,7 +233,7 @@ def rope_inverse_quant_output(
     """
     signature = _plans.output_signature(
         o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
-        interleaved_out, validate,
+        interleaved_out, pair_tables, validate,
     )  # fmt: skip
     plan = _plans.find(signature)
     if plan.__class__ is _plans.Plan:  # a repeated eager call
@@ -242,7 +247,7 @@ def rope_inverse_quant_output(
         plan = None
     call = output.check_output_call(
         o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
-        interleaved_out,
+        interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
         output.validate_output_on_device(call)
