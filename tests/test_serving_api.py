@@ -368,7 +368,7 @@ def _read_cases():
         # rope_dim: a bad one gave torch's size error, or another split of the entry
         ((concat, ok, "concat", None, None), ValueError, "rope_dim (R) is required"),
         ((concat, ok, "concat", 1000, None), ValueError,
-         "rope_dim must be one of (32, 64, 128) and less than the concat cache's entry width "
+         "rope_dim must be one of (32, 64, 128) and at most the concat cache's entry width "
          "L + R = 576, got 1000"),
         ((concat, ok, "concat", 48, None), ValueError, "got 48"),
         ((concat, ok, "concat", 64.0, None), TypeError, "rope_dim must be an int or None"),
@@ -424,6 +424,50 @@ def test_read_kv_cache_reads_what_was_written(device):
         want = args["kv_c"][[0, 2, 3]].float()
         tolerance = 0.0 if fmt == "split" else 0.07 * want.abs() + 0.05
         assert bool(((latent - want).abs() <= tolerance).all()), fmt
+
+
+def test_zero_sizes():
+    """A cache block of no entries (``block_size = 0``) passed the checks and the kernels divided
+    slots by it: refused for every format, naming the shape. A zero-width latent (``L = 0``) is
+    written by every backend alike, and the concat reader, which refused it, reads it back."""
+    for fmt, cache in (
+        ("concat", torch.zeros(2, 0, L + R, dtype=torch.bfloat16)),
+        ("split", (torch.zeros(2, 0, L, dtype=torch.bfloat16),
+                   torch.zeros(2, 0, R, dtype=torch.bfloat16))),
+        ("fp8_656", torch.zeros(2, 0, 656, dtype=torch.uint8)),
+        ("fp8_584", torch.zeros(1, 0, 1, 584, dtype=torch.uint8)),
+    ):  # fmt: skip
+        args = _append_args("cpu", fmt=fmt, cache=cache, slot_mapping=torch.full((T,), -1))
+        with pytest.raises(ValueError, match=re.escape("block_size = ") + ".*" + re.escape(
+            "shape[1] must be at least 1 (slot s is entry s % block_size of block s // "
+            "block_size), got shape ("
+        )):  # fmt: skip
+            _append(args)
+    for backend in ("kernels", "reference"):
+        args = _append_args("cpu", kv_c=torch.zeros(T, 0, dtype=torch.bfloat16),
+                            cache=torch.zeros(2, 4, R, dtype=torch.bfloat16))  # fmt: skip
+        _on_backend(backend, lambda args=args: _append(args))
+        latent, rope = serving.read_kv_cache(
+            args["cache"], torch.tensor([3, 0, 6]), cache_format="concat", rope_dim=R
+        )
+        assert latent.shape == (3, 0) and rope.shape == (3, R)
+        assert torch.equal(rope, args["cache"].view(-1, R)[[3, 0, 6]].float()) and rope.any()
+
+
+def _on_backend(backend: str, fn):
+    """``fn()`` on the kernels (the lane's backend) or the PyTorch backend."""
+    import os
+
+    previous = os.environ.get("TRITON_INTERPRET")
+    if backend == "reference":
+        os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        return fn()
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
 
 
 # ------------------------------------------------------------------------ device validation

@@ -196,7 +196,7 @@ def rope_inverse_quant_output(
     Args:
         o: ``[T, H, D]`` attention output, heads ``[nope | rope]`` (DeepSeek-V4: ``D = 512``,
             rope the last ``R = 64``), bf16, fp16 or fp32; last dim contiguous, any token and
-            head strides. ``D`` a multiple of 128.
+            head strides. ``D`` a positive multiple of 128.
         cos, sin: ``[P, R]`` tables of the positions' rope set, fp32 preferred; with
             ``pair_tables=True``, ``[P, R / 2]``. ``R`` comes from the tables, so an engine's
             ``cos_sin_cache`` halves without the flag are refused.

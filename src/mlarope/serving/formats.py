@@ -346,6 +346,12 @@ def check_append_call(
         fp8 = _check_cache_dtype("ckv (cache[0])", ckv, kv_c)
         cache, kpe_cache = ckv, kpe
         why_not = f"for a {ckv.dtype} cache (only FP8 caches are scaled)"
+    if cache.shape[1] == 0:
+        name = "ckv (cache[0])" if kpe_cache is not None else "cache"
+        raise ValueError(
+            f"the cache's block_size = {name.split(' ')[0]}.shape[1] must be at least 1 (slot s "
+            f"is entry s % block_size of block s // block_size), got shape {tuple(cache.shape)}"
+        )
     if fp8:
         why_not = f"for an FP8 {cache_format} cache"
     scale, scale_value = _check_scale("kv_scale", kv_scale, fp8, why_not, kv_c.device)
@@ -671,9 +677,9 @@ def check_read_call(
         _check_read_dtype("cache", cache)
         if rope_dim is None:
             raise ValueError("rope_dim (R) is required for cache_format='concat'")
-        if rope_dim not in ROPE_DIMS or rope_dim >= cache.shape[2]:
+        if rope_dim not in ROPE_DIMS or rope_dim > cache.shape[2]:
             raise ValueError(
-                f"rope_dim must be one of {ROPE_DIMS} and less than the concat cache's entry "
+                f"rope_dim must be one of {ROPE_DIMS} and at most the concat cache's entry "
                 f"width L + R = {cache.shape[2]}, got {rope_dim}"
             )
         tensors, rope, fp8 = (cache,), rope_dim, cache.dtype in FP8_DTYPES

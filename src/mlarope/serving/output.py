@@ -92,10 +92,10 @@ def check_output_call(
     """All host-side checks of a ``rope_inverse_quant_output`` call."""
     o = _check_input("o", o, 3, "[T, H, D]")
     n_tokens, n_heads, head_dim = o.shape
-    if head_dim % OUTPUT_BLOCK != 0:
+    if head_dim % OUTPUT_BLOCK != 0 or head_dim == 0:
         raise ValueError(
-            f"o's head dim D = o.shape[-1] must be a multiple of {OUTPUT_BLOCK} (one scale per "
-            f"{OUTPUT_BLOCK} channels), got shape {tuple(o.shape)}"
+            f"o's head dim D = o.shape[-1] must be a positive multiple of {OUTPUT_BLOCK} (one "
+            f"scale per {OUTPUT_BLOCK} channels), got shape {tuple(o.shape)}"
         )
     check_bool("pair_tables", pair_tables)
     cos2d, sin2d = _check_output_tables(cos, sin, o.device, pair_tables)
