@@ -37,6 +37,8 @@ read ones.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch.autograd import forward_ad as _fwad
 
@@ -150,6 +152,13 @@ def _scale_kind(scale):
         return False, None
     if cls is torch.Tensor:
         return torch.Tensor, None
+    if cls is not bool and isinstance(scale, numbers.Real):  # numpy's scalars, Fraction
+        try:
+            value = float(scale)
+        except OverflowError:
+            return False, None
+        if _FP32_MIN_NORMAL <= value <= _FP32_MAX:
+            return cls, value
     return False, None
 
 

@@ -55,8 +55,9 @@ def rope_append_kv_cache(
             (docs/serving.md).
         kv_scale: the per-tensor DEQUANT scale of an FP8 ``concat`` / ``split`` cache
             (``stored = e4m3(x / kv_scale)``, ``x = stored * kv_scale``; FlashInfer's
-            ``quant_scale_kv`` is its reciprocal): a float, or a 1-element fp32 tensor on the
-            device (read by the kernel, so a CUDA graph can change it). None otherwise.
+            ``quant_scale_kv`` is its reciprocal): a real number (``numbers.Real`` but bool:
+            numpy's scalars too), or a 1-element fp32 tensor on the device (read by the kernel,
+            so a CUDA graph can change it). None otherwise.
         interleaved: ``k_pe``'s pairs are ``(x[2j], x[2j+1])`` (True, DeepSeek checkpoints) or
             ``(x[j], x[R/2 + j])``.
         interleaved_out: write the rotated pairs interleaved (True, default: the bytes vLLM and
@@ -127,7 +128,8 @@ def rope_decode_query(
         out_dtype: ``q_nope``'s dtype (default) or ``torch.float8_e4m3fn``; taken from ``out``
             when given.
         q_scale: the per-tensor DEQUANT scale of an FP8 output (``stored = e4m3(x /
-            q_scale)``); a float or a 1-element fp32 tensor on the device; None otherwise.
+            q_scale)``); a real number or a 1-element fp32 tensor on the device, as
+            ``kv_scale`` in :func:`rope_append_kv_cache`; None otherwise.
         interleaved, interleaved_out: the rope pair layouts, as in
             :func:`rope_append_kv_cache` (default interleaved in and out: match the cache).
         pair_tables: ``cos, sin`` are pair tables ``[P, R / 2]``, as in

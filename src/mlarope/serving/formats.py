@@ -24,6 +24,7 @@ validation is asked for.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -164,8 +165,9 @@ def _check_not_differentiated(*named: tuple[str, torch.Tensor]) -> None:
 def _check_scale(
     name: str, scale: object, wanted: bool, why_not: str, device: torch.device
 ) -> tuple[torch.Tensor | None, float]:
-    """A per-tensor dequant scale -> ``(tensor or None, value)``: a number (finite, a normal
-    positive fp32) or a 1-element fp32 tensor on ``device``; ``None`` where not ``wanted``."""
+    """A per-tensor dequant scale -> ``(tensor or None, value)``: a real number (any
+    ``numbers.Real`` but a bool: numpy's real scalars too; finite, a normal positive fp32) or a
+    1-element fp32 tensor on ``device``; ``None`` where not ``wanted``."""
     if not wanted:
         if scale is not None:
             raise ValueError(f"{name} must be None {why_not}, got {_scale_repr(scale)}")
@@ -178,17 +180,22 @@ def _check_scale(
     if isinstance(scale, torch.Tensor):
         if scale.dtype != torch.float32 or scale.numel() != 1:
             raise TypeError(
-                f"{name} as a tensor must be a 1-element float32 tensor, got {_describe(scale)}"
+                f"{name} as a tensor must be a 1-element float32 tensor on the inputs' device "
+                f"(the kernel reads it there), got {_describe(scale)}"
             )
         if scale.device != device:
             raise ValueError(f"{name} must be on the inputs' device {device}, got {scale.device}")
         return scale.reshape(1) if scale.dim() != 1 else scale, 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(
-            f"{name} must be a float or a 1-element float32 tensor, got {scale!r} "
-            f"({type(scale).__name__})"
+            f"{name} must be a real number (an int, a float or another numbers.Real: numpy's "
+            f"real scalars, fractions.Fraction; not a bool) or a 1-element float32 tensor on the "
+            f"inputs' device, got {scale!r} ({type(scale).__name__})"
         )
-    value = float(scale)
+    try:
+        value = float(scale)
+    except OverflowError:  # an int beyond any float
+        value = math.inf
     if not (math.isfinite(value) and FP32_MIN_NORMAL <= value <= FP32_MAX):
         raise ValueError(
             f"{name} must be a finite positive float32 number in [2**-126, {FP32_MAX:.4g}], got "

@@ -345,7 +345,7 @@ def read_kv_cache(
     ``cache`` as :func:`mlarope.serving.rope_append_kv_cache` takes it (a ``(ckv, kpe)`` pair for
     ``split``); ``rope_dim``: ``R``, required for ``concat`` (one of 32, 64, 128), checked
     against the cache for the others; ``kv_scale``: the dequant scale of an FP8 ``concat`` or
-    ``split`` cache (a float or a 1-element fp32 tensor), None otherwise. ``fp8_656`` and
+    ``split`` cache (a real number or a 1-element fp32 tensor), None otherwise. ``fp8_656`` and
     ``fp8_584`` latents are ``code * s_j`` in fp32 (exact: ``s_j`` is a power of two), as
     FlashMLA's kernels dequantize them.
 
