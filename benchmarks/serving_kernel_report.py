@@ -87,16 +87,17 @@ def kernel_report() -> list[dict]:
                                 qc.num_warps))  # fmt: skip
     # The attention output at DeepSeek-V4-Pro's prefill shape (128 heads of 512, 16 groups).
     oc = output_quant.choose_output_config(16384, 128)
-    for name, scale_ptr, pack, fmt, whole_row in (
-        ("output fp8, fp32 scales", "*i32", 1, output_quant.SCALE_FP32, False),
-        ("output fp8, packed ue8m0", "*i32", 4, output_quant.SCALE_E8M0, False),
-        ("output fp8, fp32 scales, whole row", "*i32", 1, output_quant.SCALE_FP32, True),
+    for name, scale_ptr, pack, fmt, whole_row, pair in (
+        ("output fp8, fp32 scales", "*i32", 1, output_quant.SCALE_FP32, False, False),
+        ("output fp8, fp32 scales, pair tables", "*i32", 1, output_quant.SCALE_FP32, False, True),
+        ("output fp8, packed ue8m0", "*i32", 4, output_quant.SCALE_E8M0, False, False),
+        ("output fp8, fp32 scales, whole row", "*i32", 1, output_quant.SCALE_FP32, True, False),
     ):
         pointers = dict(tables, o_ptr="*bf16", out_ptr="*u8", scale_ptr=scale_ptr)
         constexprs = dict(
-            D=512, HALF=32, HEADS_PER_GROUP=8, BLOCK_T=oc.block_t, BLOCK_H=oc.block_h, PACK=pack,
-            SCALE_FMT=fmt, INTERLEAVED_IN=True, INTERLEAVED_OUT=True, NATIVE=1,
-            WHOLE_ROW=whole_row,
+            D=512, HALF=32, PAIR_TABLE=pair, HEADS_PER_GROUP=8, BLOCK_T=oc.block_t,
+            BLOCK_H=oc.block_h, PACK=pack, SCALE_FMT=fmt, INTERLEAVED_IN=True,
+            INTERLEAVED_OUT=True, NATIVE=1, WHOLE_ROW=whole_row,
         )  # fmt: skip
         rows.append(compile_one(name, output_quant._rope_inverse_quant_kernel, pointers,
                                 constexprs, oc.num_warps))  # fmt: skip

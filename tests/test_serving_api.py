@@ -4,8 +4,12 @@ a decode step with new positions and slots on every replay."""
 
 from __future__ import annotations
 
+import os
 import re
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,19 +162,89 @@ def test_append_checks(change, error, message):
 def test_append_scale_checks():
     for scale, error, message in [
         (None, ValueError, "kv_scale is required"),
-        (True, TypeError, "kv_scale must be a float or a 1-element float32 tensor, got True"),
+        (
+            True,
+            TypeError,
+            "kv_scale must be a real number (an int, a float or another "
+            "numbers.Real: numpy's real scalars, fractions.Fraction; not a bool) or a 1-element "
+            "float32 tensor on the inputs' device, got True (bool)",
+        ),
         (0.0, ValueError, "kv_scale must be a finite positive float32 number"),
         (-1.0, ValueError, "got -1.0"),
         (float("inf"), ValueError, "got inf"),
         (1e-40, ValueError, "got 1e-40"),
         (torch.tensor([0.5], dtype=torch.float64), TypeError, "1-element float32 tensor"),
-        (torch.tensor([0.5, 1.0]), TypeError, "1-element float32 tensor, got shape (2,)"),
+        (torch.tensor([0.5, 1.0]), TypeError, "(the kernel reads it there), got shape (2,)"),
     ]:
         args = _append_args("cpu", cache_dtype=torch.float8_e4m3fn, kv_scale=scale)
         with pytest.raises(error, match=re.escape(message)):
             _append(args)
     with pytest.raises(ValueError, match="kv_scale must be None for cache_format='fp8_656'"):
         _append(_append_args("cpu", fmt="fp8_656", kv_scale=0.5))
+
+
+SCALES = [0.5, 1, np.float32(0.5), np.float16(0.5), np.float64(0.5), np.int64(1),
+          np.uint8(1), np.longdouble(0.5), Fraction(1, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+def test_every_real_scalar_is_a_scale(backend):
+    """``kv_scale=np.float32(0.5)`` raised a TypeError while ``np.float64(0.5)`` (a float
+    subclass) was taken (issue 36). Every real number is a scale, with the bytes of its float
+    value, in the append, the query and the reader; a repeated call with one takes a plan."""
+    results = {}
+    fp8 = torch.float8_e4m3fn
+    for scale in SCALES:
+        args = _append_args("cpu", cache_dtype=fp8, kv_scale=scale)
+        query = _on_backend(
+            backend, lambda scale=scale: _query(_query_args("cpu"), out_dtype=fp8, q_scale=scale)
+        )
+        _on_backend(backend, lambda args=args: _append(args))
+        read = serving.read_kv_cache(args["cache"], torch.tensor([3, 0]), cache_format="concat",
+                                     rope_dim=R, kv_scale=scale)  # fmt: skip
+        results.setdefault(float(scale), []).append(
+            (args["cache"].view(torch.uint8), query.view(torch.uint8), *read)
+        )
+    for same in results.values():
+        for got in same[1:]:
+            for g, w in zip(got, same[0], strict=True):
+                assert torch.equal(g, w)
+    clear_launch_cache()
+    args = _append_args("cpu", cache_dtype=torch.float8_e4m3fn, kv_scale=np.float32(0.5))
+    for _ in range(2):
+        _on_backend(backend, lambda: _append(args))
+    if backend == "kernels" and os.environ.get("TRITON_INTERPRET") == "1":
+        ((_, plan),) = next(iter(LAUNCH_CACHE.plans.values()))
+        assert plan.__class__ is _plans.Plan
+
+
+def test_what_is_not_a_real_scale_is_refused():
+    """bool, complex (Python's, numpy's), strings and ``Decimal`` (not a ``numbers.Real``) are
+    refused with the list of what is taken; a tensor scale is a 1-element float32 tensor (the
+    kernel reads it, so a CUDA graph may change it: a conversion would copy it); an int too
+    large for a float32 is out of range."""
+    taken = re.escape(
+        "must be a real number (an int, a float or another numbers.Real: numpy's real scalars, "
+        "fractions.Fraction; not a bool) or a 1-element float32 tensor on the inputs' device, got"
+    )
+    for scale in (True, np.True_, 1 + 0j, np.complex64(0.5), "0.5", Decimal("0.5"), [0.5]):
+        with pytest.raises(TypeError, match="kv_scale " + taken):
+            _append(_append_args("cpu", cache_dtype=torch.float8_e4m3fn, kv_scale=scale))
+        with pytest.raises(TypeError, match="q_scale " + taken):
+            _query(_query_args("cpu"), out_dtype=torch.float8_e4m3fn, q_scale=scale)
+        cache = torch.zeros(2, 4, L + R, dtype=torch.uint8)
+        with pytest.raises(TypeError, match="kv_scale " + taken):
+            serving.read_kv_cache(cache, torch.tensor([0]), cache_format="concat", rope_dim=R,
+                                  kv_scale=scale)  # fmt: skip
+    for scale in (torch.tensor(0.5, dtype=torch.float64), torch.tensor([1], dtype=torch.int32)):
+        with pytest.raises(TypeError, match=re.escape(
+            "kv_scale as a tensor must be a 1-element float32 tensor on the inputs' device (the "
+            "kernel reads it there), got"
+        )):  # fmt: skip
+            _append(_append_args("cpu", cache_dtype=torch.float8_e4m3fn, kv_scale=scale))
+    for scale in (10**400, np.float64(1e300), -np.float32(1)):
+        with pytest.raises(ValueError, match="kv_scale must be a finite positive float32 number"):
+            _append(_append_args("cpu", cache_dtype=torch.float8_e4m3fn, kv_scale=scale))
 
 
 def test_split_and_fp8_656_cache_checks():
@@ -368,7 +442,7 @@ def _read_cases():
         # rope_dim: a bad one gave torch's size error, or another split of the entry
         ((concat, ok, "concat", None, None), ValueError, "rope_dim (R) is required"),
         ((concat, ok, "concat", 1000, None), ValueError,
-         "rope_dim must be one of (32, 64, 128) and less than the concat cache's entry width "
+         "rope_dim must be one of (32, 64, 128) and at most the concat cache's entry width "
          "L + R = 576, got 1000"),
         ((concat, ok, "concat", 48, None), ValueError, "got 48"),
         ((concat, ok, "concat", 64.0, None), TypeError, "rope_dim must be an int or None"),
@@ -424,6 +498,48 @@ def test_read_kv_cache_reads_what_was_written(device):
         want = args["kv_c"][[0, 2, 3]].float()
         tolerance = 0.0 if fmt == "split" else 0.07 * want.abs() + 0.05
         assert bool(((latent - want).abs() <= tolerance).all()), fmt
+
+
+def test_zero_sizes():
+    """A cache block of no entries (``block_size = 0``) passed the checks and the kernels divided
+    slots by it: refused for every format, naming the shape. A zero-width latent (``L = 0``) is
+    written by every backend alike, and the concat reader, which refused it, reads it back."""
+    for fmt, cache in (
+        ("concat", torch.zeros(2, 0, L + R, dtype=torch.bfloat16)),
+        ("split", (torch.zeros(2, 0, L, dtype=torch.bfloat16),
+                   torch.zeros(2, 0, R, dtype=torch.bfloat16))),
+        ("fp8_656", torch.zeros(2, 0, 656, dtype=torch.uint8)),
+        ("fp8_584", torch.zeros(1, 0, 1, 584, dtype=torch.uint8)),
+    ):  # fmt: skip
+        args = _append_args("cpu", fmt=fmt, cache=cache, slot_mapping=torch.full((T,), -1))
+        with pytest.raises(ValueError, match=re.escape("block_size = ") + ".*" + re.escape(
+            "shape[1] must be at least 1 (slot s is entry s % block_size of block s // "
+            "block_size), got shape ("
+        )):  # fmt: skip
+            _append(args)
+    for backend in ("kernels", "reference"):
+        args = _append_args("cpu", kv_c=torch.zeros(T, 0, dtype=torch.bfloat16),
+                            cache=torch.zeros(2, 4, R, dtype=torch.bfloat16))  # fmt: skip
+        _on_backend(backend, lambda args=args: _append(args))
+        latent, rope = serving.read_kv_cache(
+            args["cache"], torch.tensor([3, 0, 6]), cache_format="concat", rope_dim=R
+        )
+        assert latent.shape == (3, 0) and rope.shape == (3, R)
+        assert torch.equal(rope, args["cache"].view(-1, R)[[3, 0, 6]].float()) and rope.any()
+
+
+def _on_backend(backend: str, fn):
+    """``fn()`` on the kernels (the lane's backend) or the PyTorch backend."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    if backend == "reference":
+        os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        return fn()
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
 
 
 # ------------------------------------------------------------------------ device validation

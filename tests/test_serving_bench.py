@@ -48,12 +48,13 @@ def test_bytes_model_deepseek_v4():
     assert bench.bytes_moved(op["append_fp8_584"], t, dims) == (
         t * (512 * 2 + 584) + PREFILL_ROWS * PAIR_ROW
     )
-    # read o [T, 128, 512] bf16, write the codes and one fp32 scale per 128 channels; its
-    # tables are the full ones whatever --tables says (the op takes [P, R] only)
+    # read o [T, 128, 512] bf16, write the codes and one fp32 scale per 128 channels; pair
+    # tables too (--tables full: the full ones)
+    full = dataclasses.replace(dims, pair_tables=False)
     for key in ("output_fp8", "output_fp8_vllm"):
-        assert bench.bytes_moved(op[key], t, dims) == (
-            t * 128 * (512 * 2 + 512 + 4 * 4) + PREFILL_ROWS * FULL_ROW
-        )
+        data = t * 128 * (512 * 2 + 512 + 4 * 4)
+        assert bench.bytes_moved(op[key], t, dims) == data + PREFILL_ROWS * PAIR_ROW
+        assert bench.bytes_moved(op[key], t, full) == data + PREFILL_ROWS * FULL_ROW
     assert dims.heads // dims.heads_per_group == 16  # V4-Pro's o_groups
 
 

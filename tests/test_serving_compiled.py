@@ -43,7 +43,8 @@ def test_every_kernel_compiled(report):
     assert set(report) == {
         "append concat bf16", "append concat bf16, pair tables", "append concat fp8",
         "append fp8_656", "append fp8_584", "query bf16", "query fp8", "output fp8, fp32 scales",
-        "output fp8, packed ue8m0", "output fp8, fp32 scales, whole row",
+        "output fp8, fp32 scales, pair tables", "output fp8, packed ue8m0",
+        "output fp8, fp32 scales, whole row",
     }  # fmt: skip
 
 
@@ -56,8 +57,8 @@ def test_no_spills_no_approximate_division_no_64_bit_division(report):
 
 def test_hardware_conversions_and_ieee_division(report):
     for name in ("append concat fp8", "append fp8_656", "append fp8_584", "query fp8",
-                 "output fp8, fp32 scales", "output fp8, packed ue8m0",
-                 "output fp8, fp32 scales, whole row"):  # fmt: skip
+                 "output fp8, fp32 scales", "output fp8, fp32 scales, pair tables",
+                 "output fp8, packed ue8m0", "output fp8, fp32 scales, whole row"):  # fmt: skip
         assert report[name]["cvt e4m3"] > 0, name
     for name in ("append concat fp8", "query fp8"):  # per-tensor scales: x / scale
         assert report[name]["div.rn"] > 0, name
@@ -78,8 +79,8 @@ def test_output_rotation_rounds_each_product(report):
     """The attention output's inverse rotation multiplies with ``mul.rn.f32`` and has no fused
     multiply-add: its fp32 values, so its bytes, are PyTorch's on every backend; its codes
     leave as 16-byte vectors."""
-    for name in ("output fp8, fp32 scales", "output fp8, packed ue8m0",
-                 "output fp8, fp32 scales, whole row"):  # fmt: skip
+    for name in ("output fp8, fp32 scales", "output fp8, fp32 scales, pair tables",
+                 "output fp8, packed ue8m0", "output fp8, fp32 scales, whole row"):  # fmt: skip
         row = report[name]
         assert row["mul.rn"] > 0 and row["fma.f32"] == 0, (name, row)
         assert row["st.global.v4"] >= 4, (name, row)

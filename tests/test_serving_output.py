@@ -364,8 +364,8 @@ ERRORS = [
     (dict(o=torch.zeros(T, D, dtype=torch.bfloat16)), ValueError, "o must be 3-D [T, H, D]"),
     (dict(o=torch.zeros(T, H, D, dtype=torch.float64)), TypeError, "o must be bfloat16"),
     (dict(o=torch.zeros(T, H, 448, dtype=torch.bfloat16)), ValueError,
-     "o's head dim D = o.shape[-1] must be a multiple of 128 (one scale per 128 channels), got "
-     "shape (4, 4, 448)"),
+     "o's head dim D = o.shape[-1] must be a positive multiple of 128 (one scale per 128 "
+     "channels), got shape (4, 4, 448)"),
     (dict(o=torch.zeros(T, D, H, dtype=torch.bfloat16).transpose(1, 2)), ValueError,
      "o must have a contiguous last dim"),
     (dict(positions=torch.zeros(T)), TypeError, "positions must be int32 or int64"),
@@ -584,3 +584,20 @@ def test_no_tokens(device, backend, scale_dtype, monkeypatch):
         out, scale = call(o, cos, sin, positions, groups=2, scale_dtype=scale_dtype)
         blocks = 2 if scale_dtype == torch.int32 else 8  # four UE8M0 bytes an int32
         assert out.shape == (0, 2, 1024) and scale.shape == (0, 2, blocks), call
+
+
+@pytest.mark.parametrize("backend", ["kernels", "reference"])
+def test_zero_width_head_is_refused(backend, monkeypatch):
+    """``D = 0`` passed ``D % 128 == 0``: the PyTorch backend raised torch's own RuntimeError, the
+    kernels returned empty tensors (issue 36). A head holds the rope slice, so ``D`` is at least
+    128: a ValueError naming ``D`` from the public call and the PyTorch form."""
+    if backend == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cos, sin = random_tables(8, 64, torch.float32, "cpu")
+    message = re.escape(
+        "o's head dim D = o.shape[-1] must be a positive multiple of 128 (one scale per 128 "
+        "channels), got shape (2, 2, 0)"
+    )
+    for call in (serving.rope_inverse_quant_output, ref.rope_inverse_quant_output):
+        with pytest.raises(ValueError, match=message):
+            call(torch.randn(2, 2, 0), cos, sin, torch.tensor([0, 1]))

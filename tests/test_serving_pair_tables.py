@@ -213,8 +213,8 @@ def test_repeated_calls_take_their_own_plans(device):
 
 def test_the_form_is_asked_for_not_inferred():
     """A table of half the rope width is refused without ``pair_tables=True`` (a table of the
-    wrong width is not read as pair tables), one of the full width with it; the serving output
-    op takes ``[P, R]`` only and has no such argument."""
+    wrong width is not read as pair tables), one of the full width with it; the output op, whose
+    rope width comes from the tables, checks the flag's type and the width it implies."""
     kv_c = torch.zeros(T, 64, dtype=torch.bfloat16)
     k_pe = torch.zeros(T, 64, dtype=torch.bfloat16)
     cache = torch.zeros(3, BLOCK, 128, dtype=torch.bfloat16)
@@ -245,10 +245,18 @@ def test_the_form_is_asked_for_not_inferred():
         serving.rope_decode_query(q, q, half, half, index)
     with pytest.raises(TypeError, match="pair_tables must be a bool"):
         serving.rope_decode_query(q, q, half, half, index, pair_tables=1)
-    with pytest.raises(TypeError, match="pair_tables"):
-        serving.rope_inverse_quant_output(
-            torch.zeros(T, 2, 128, dtype=torch.bfloat16), full, full, index, pair_tables=True
-        )
+    o = torch.zeros(T, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="pair_tables must be a bool"):
+        serving.rope_inverse_quant_output(o, half, half, index, pair_tables="yes")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "with pair_tables=True, the rope dim R = 2 * cos.shape[-1] must be one of (32, 64, "
+            "128), got 256 (cos shape (40, 128))"
+        ),
+    ):
+        serving.rope_inverse_quant_output(o, *[torch.zeros(ROWS, 128)] * 2, index,
+                                          pair_tables=True)  # fmt: skip
 
 
 def test_table_width_neither_r_nor_half_is_refused():
@@ -311,7 +319,8 @@ def test_a_recorded_plan_does_not_skip_the_form_check():
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_pair_tables_under_torch_compile(device, backend):
-    """Both ops with pair tables traced whole write what eager writes with the full tables."""
+    """The three ops with pair tables traced whole write what eager writes with the full
+    tables."""
     torch._dynamo.reset()
     full, pair = _pair_tables(64, device)
     gen = torch.Generator().manual_seed(17)
@@ -327,14 +336,123 @@ def test_pair_tables_under_torch_compile(device, backend):
             kv_c, k_pe, *tables, positions, cache, slots, cache_format="concat",
             pair_tables=is_pair,
         )  # fmt: skip
-        return serving.rope_decode_query(
+        query = serving.rope_decode_query(
             q_nope, q_pe, *tables, positions, out_dtype=torch.float8_e4m3fn, q_scale=0.05,
             pair_tables=is_pair,
         )  # fmt: skip
+        out, scale = serving.rope_inverse_quant_output(
+            o, *tables, positions, groups=2, pair_tables=is_pair
+        )
+        return query, out, scale
 
+    o = torch.randn(T, 2, 128, generator=gen).to(torch.bfloat16).to(device)
     caches = [torch.zeros(3, BLOCK, 128, dtype=torch.bfloat16, device=device) for _ in range(2)]
     eager = step(full, False, caches[0])
     compiled = torch.compile(step, fullgraph=True, backend=backend)(pair, True, caches[1])
     assert torch.equal(caches[0].view(torch.int16), caches[1].view(torch.int16))
     assert caches[1].any()
-    assert torch.equal(eager.view(torch.uint8), compiled.view(torch.uint8))
+    for e, c in zip(eager, compiled, strict=True):
+        assert torch.equal(e.view(torch.uint8), c.view(torch.uint8))
+    # an engine's cos_sin_cache halves without the flag: refused when the graph runs
+    cos_sin = torch.cat(pair, 1)
+
+    def output(cos, sin):
+        return serving.rope_inverse_quant_output(o, cos, sin, positions, groups=2)
+
+    with pytest.raises(ValueError, match=re.escape("pass pair_tables=True")):
+        torch.compile(output, fullgraph=True, backend=backend)(cos_sin[:, :32], cos_sin[:, 32:])
+
+
+# ------------------------------------------------------------------------ the attention output
+OUTPUT_CASES = [
+    # (tokens, heads, head dim D, rope R, groups, interleaved, interleaved_out)
+    (4, 4, 512, 64, 2, True, True),  # DeepSeek-V4's head
+    (3, 2, 256, 128, 1, False, True),
+    (6, 2, 128, 32, 2, True, False),
+]
+
+
+@pytest.mark.parametrize("case", OUTPUT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_output_pair_tables_give_the_full_tables_bits(device, case):
+    """``rope_inverse_quant_output`` with pair tables (contiguous, and an engine's
+    ``cos_sin_cache`` halves taken as they are) writes the codes and scales of the full tables,
+    on each backend and in the PyTorch form."""
+    from mlarope.serving import reference
+
+    tokens, heads, head_dim, rope, groups, interleaved, interleaved_out = case
+    full, pair = _pair_tables(rope, device)
+    cos_sin = torch.cat(pair, 1)
+    views = cos_sin[:, : rope // 2], cos_sin[:, rope // 2 :]
+    gen = torch.Generator().manual_seed(19)
+    o = torch.randn(tokens, heads, head_dim, generator=gen).to(torch.bfloat16).to(device)
+    positions = torch.tensor(POSITIONS[:tokens], device=device)
+    for backend in _backends(device):
+        results = []
+        for fn in (serving.rope_inverse_quant_output, reference.rope_inverse_quant_output):
+            for given, is_pair in ((full, False), (pair, True), (views, True)):
+
+                def call(fn=fn, given=given, is_pair=is_pair):
+                    return fn(
+                        o, *given, positions, groups=groups, interleaved=interleaved,
+                        interleaved_out=interleaved_out, pair_tables=is_pair,
+                    )  # fmt: skip
+
+                out, scale = _on(backend, call)
+                results.append((out.view(torch.uint8).cpu(), scale.cpu()))
+        for out, scale in results[1:]:
+            assert torch.equal(out, results[0][0]) and torch.equal(scale, results[0][1]), backend
+    # the rope slice was rotated: the identity tables would give other codes
+    ones, zeros = torch.ones_like(full[0]), torch.zeros_like(full[1])
+    plain, _ = serving.rope_inverse_quant_output(o, ones, zeros, positions, groups=groups)
+    assert not torch.equal(plain.view(torch.uint8).cpu(), results[0][0])
+
+
+def _cos_sin_cache_call():
+    """The case of issue 36: an engine's ``cos_sin_cache [P, 64]`` halves, ``o: [4, 16, 512]``."""
+    _, pair = _pair_tables(64, "cpu")
+    cos_sin = torch.cat(pair, 1)
+    gen = torch.Generator().manual_seed(23)
+    o = torch.randn(4, 16, 512, generator=gen).to(torch.bfloat16)
+    return o, cos_sin[:, :32], cos_sin[:, 32:], torch.tensor([3, 9, 0, 17])
+
+
+def test_output_refuses_cos_sin_cache_halves_without_the_flag():
+    """The two halves of one ``[P, R]`` buffer (cos, then sin) without ``pair_tables=True`` were
+    read as full tables of ``R / 2`` channels: 3,148 of 32,768 codes wrong, without an error.
+    They are refused, naming the flag, by the public call and the PyTorch form; with the flag
+    they give the full tables' bits (above)."""
+    from mlarope.serving import reference
+
+    o, cos, sin, positions = _cos_sin_cache_call()
+    message = re.escape(
+        "cos and sin are the two halves of one [P, 64] buffer (an engine's cos_sin_cache [P, R]: "
+        "cos, then sin), the pair tables [P, R / 2] of R = 64: pass pair_tables=True"
+    )
+    for fn in (serving.rope_inverse_quant_output, reference.rope_inverse_quant_output):
+        with pytest.raises(ValueError, match=message):
+            fn(o, cos, sin, positions, groups=2)
+    # full tables of R / 2 that lie side by side in one buffer: copies are taken as full tables
+    out, _ = serving.rope_inverse_quant_output(
+        o, cos.contiguous(), sin.contiguous(), positions, groups=2
+    )
+    assert out.shape == (4, 2, 8 * 512)
+
+
+def test_a_recorded_output_plan_does_not_take_the_halves():
+    """A launch plan recorded from full tables of the halves' shape and strides (two buffers),
+    then the halves of one buffer: the call takes the checks, which refuse it (a replay would
+    have read them as full tables)."""
+    from mlarope._launch_cache import clear_launch_cache
+
+    o, cos, sin, positions = _cos_sin_cache_call()
+    clear_launch_cache()
+    apart = [torch.randn(ROWS, 64)[:, :32] for _ in range(2)]
+    assert apart[0].stride() == cos.stride() and apart[1].stride() == sin.stride()
+    for _ in range(3):
+        serving.rope_inverse_quant_output(o, *apart, positions, groups=2)
+    with pytest.raises(ValueError, match=re.escape("pass pair_tables=True")):
+        serving.rope_inverse_quant_output(o, cos, sin, positions, groups=2)
+    for _ in range(2):  # and the other way round: a pair-table plan, then the flag dropped
+        serving.rope_inverse_quant_output(o, cos, sin, positions, groups=2, pair_tables=True)
+    with pytest.raises(ValueError, match=re.escape("pass pair_tables=True")):
+        serving.rope_inverse_quant_output(o, cos, sin, positions, groups=2)

@@ -89,13 +89,14 @@ def _rope_inverse_quant_kernel(
     o_ptr,  # [T, H, D]
     out_ptr,  # uint8 view of [T, G, (H / G) * D]
     scale_ptr,  # the scales: int32 view (fp32 bits, or packed UE8M0) or uint8 (UE8M0 bytes)
-    cos_ptr, sin_ptr,  # [P, R]
+    cos_ptr, sin_ptr,  # [P, R], or [P, R / 2] (PAIR_TABLE)
     pos_ptr,  # [T] int32 / int64
     n_tokens, n_heads, n_head_blocks, n_rows,
     stride_o_t, stride_o_h, stride_out_t, stride_out_g, stride_s_t, stride_s_g, stride_s_k,
     stride_pos, stride_table,
     D: tl.constexpr,  # head dim, a multiple of 128
     HALF: tl.constexpr,  # R / 2
+    PAIR_TABLE: tl.constexpr,  # cos, sin: [P, HALF], one entry per pair (else [P, 2 * HALF])
     HEADS_PER_GROUP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -144,7 +145,7 @@ def _rope_inverse_quant_kernel(
         c_last = (NB - 1) * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]
         rotated = _rotated_block(o_ptr, o_row, c_last, tl.zeros_like(c_last).to(tl.float32),
                                  m_row, cos_ptr, sin_ptr, table_row, out_of_range, N, HALF,
-                                 INTERLEAVED_IN, INTERLEAVED_OUT)  # fmt: skip
+                                 PAIR_TABLE, INTERLEAVED_IN, INTERLEAVED_OUT)  # fmt: skip
         last = (tl.arange(0, NB) == NB - 1)[None, None, :, None]
         rope = (tl.arange(0, _BLOCK) >= N - (NB - 1) * _BLOCK)[None, None, None, :]
         x = tl.where(last & rope, rotated[:, :, None, :], x)
@@ -164,7 +165,7 @@ def _rope_inverse_quant_kernel(
                 # The rope slice, channel by channel in the output layout (no split or join of
                 # pairs): each output channel is its pair's a or b, from the input's a and b.
                 x = _rotated_block(o_ptr, o_row, c, x, m_row, cos_ptr, sin_ptr, table_row,
-                                   out_of_range, N, HALF, INTERLEAVED_IN,
+                                   out_of_range, N, HALF, PAIR_TABLE, INTERLEAVED_IN,
                                    INTERLEAVED_OUT)  # fmt: skip
             amax = tl.max(_magnitude(x), axis=2)
             exponent = pow2_exponent(amax, _MIN_EXPONENT)
@@ -176,12 +177,13 @@ def _rope_inverse_quant_kernel(
 
 @triton.jit
 def _rotated_block(o_ptr, o_row, c, x, m_row, cos_ptr, sin_ptr, table_row, out_of_range,
-                   N: tl.constexpr, HALF: tl.constexpr, INTERLEAVED_IN: tl.constexpr,
-                   INTERLEAVED_OUT: tl.constexpr):  # fmt: skip
+                   N: tl.constexpr, HALF: tl.constexpr, PAIR_TABLE: tl.constexpr,
+                   INTERLEAVED_IN: tl.constexpr, INTERLEAVED_OUT: tl.constexpr):  # fmt: skip
     """The last 128-channel block ``x`` (channels ``c``; the nope ones loaded) with its rope
     channels ``c >= N`` replaced by the inverse rotation: output channel ``r = c - N`` is the
     ``a`` (``role`` 0) or ``b`` of pair ``j``, ``a' = a c_a + b s_a``, ``b' = b c_b - a s_b``,
-    i.e. ``own * C + partner * S`` with ``(C, S) = (c_a, s_a)`` or ``(c_b, -s_b)``."""
+    i.e. ``own * C + partner * S`` with ``(C, S) = (c_a, s_a)`` or ``(c_b, -s_b)``; a pair
+    table's entry ``j`` is both ``c_a`` and ``c_b`` (``PAIR_TABLE``)."""
     is_rope = c >= N
     r = tl.where(is_rope, c - N, 0)
     if INTERLEAVED_OUT:
@@ -195,7 +197,7 @@ def _rotated_block(o_ptr, o_row, c, x, m_row, cos_ptr, sin_ptr, table_row, out_o
     m = m_row & is_rope
     x_own = to_f32(tl.load(o_ptr + o_row + N + own, mask=m, other=0.0))
     x_partner = to_f32(tl.load(o_ptr + o_row + N + partner, mask=m, other=0.0))
-    t = table_row + j + role * HALF
+    t = table_row + j if PAIR_TABLE else table_row + j + role * HALF
     cos = to_f32(tl.load(cos_ptr + t, mask=m, other=1.0))
     sin = to_f32(tl.load(sin_ptr + t, mask=m, other=0.0))
     rotated = _product(x_own, cos) + _product(x_partner, tl.where(role == 0, sin, negate(sin)))
@@ -259,9 +261,11 @@ def rope_inverse_quant_launch(
     scale_fmt: int,
     interleaved_in: bool,
     interleaved_out: bool,
+    pair_tables: bool = False,
     config: OutputConfig | None = None,
 ) -> None:
-    """``o: [T, H, D]``, ``cos, sin: [P, R]`` (equal strides), ``positions: [T]``;
+    """``o: [T, H, D]``, ``cos, sin: [P, R]`` or with ``pair_tables`` ``[P, R / 2]`` (equal
+    strides), ``positions: [T]``;
     ``out_codes``: the ``uint8`` view of ``[T, G, (H / G) * D]``; ``scale_bits``: the int32 view
     of fp32 scales ``[T, G, (H / G) * D / 128]`` (``scale_fmt`` 0), the ``uint8`` view of UE8M0
     bytes ``[T, G, K]`` (``scale_fmt`` 1, ``pack`` 1), or int32 elements ``[T, G, K / 4]`` that
@@ -282,7 +286,8 @@ def rope_inverse_quant_launch(
         n_tokens, n_heads, n_head_blocks, cos.shape[0],
         o.stride(0), o.stride(1), out_codes.stride(0), out_codes.stride(1), s_t, s_g, s_k,
         positions.stride(0), cos.stride(0),
-        head_dim, cos.shape[1] // 2, heads_per_group, config.block_t, config.block_h, pack,
+        head_dim, cos.shape[1] if pair_tables else cos.shape[1] // 2, pair_tables,
+        heads_per_group, config.block_t, config.block_h, pack,
         scale_fmt, interleaved_in, interleaved_out, native_casts(), config.whole_row,
     )  # fmt: skip
 

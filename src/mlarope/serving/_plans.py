@@ -37,6 +37,8 @@ read ones.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch.autograd import forward_ad as _fwad
 
@@ -150,6 +152,13 @@ def _scale_kind(scale):
         return False, None
     if cls is torch.Tensor:
         return torch.Tensor, None
+    if cls is not bool and isinstance(scale, numbers.Real):  # numpy's scalars, Fraction
+        try:
+            value = float(scale)
+        except OverflowError:
+            return False, None
+        if _FP32_MIN_NORMAL <= value <= _FP32_MAX:
+            return cls, value
     return False, None
 
 
@@ -242,11 +251,16 @@ def query_signature(
 
 def output_signature(
     o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved, interleaved_out,
-    validate,
+    pair_tables, validate,
 ):  # fmt: skip
     """``(key, tensors, None, addresses)`` of a ``rope_inverse_quant_output`` call, or None.
-    ``tensors``: ``o, cos, sin, positions``, then ``out`` and ``scale_out`` where given."""
-    if not _plain(validate, interleaved, interleaved_out) or groups.__class__ is not int:
+    ``tensors``: ``o, cos, sin, positions``, then ``out`` and ``scale_out`` where given. Full
+    tables whose ``sin`` starts a row's width after ``cos`` have no plan: they may be an
+    engine's ``cos_sin_cache`` halves, which the checks refuse without ``pair_tables``."""
+    if (
+        not _plain(validate, interleaved, interleaved_out, pair_tables)
+        or groups.__class__ is not int
+    ):
         return None
     if scale_dtype is not None and scale_dtype.__class__ is not torch.dtype:
         return None
@@ -256,10 +270,13 @@ def output_signature(
     if scale_out is not None:
         tensors = (*tensors, scale_out)
     addresses = _addresses(tensors)
-    if addresses is None:
+    if addresses is None or (
+        not pair_tables and addresses[2] - addresses[1] == cos.shape[-1] * cos.element_size()
+    ):
         return None
     key = (
-        "serving.output", groups, interleaved, interleaved_out, scale_dtype, out is None,
+        "serving.output", groups, interleaved, interleaved_out, pair_tables, scale_dtype,
+        out is None,
         scale_out is None, len(tensors), o.shape, _alignment(addresses), _device_key(o),
         torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
     )  # fmt: skip

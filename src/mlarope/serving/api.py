@@ -55,8 +55,9 @@ def rope_append_kv_cache(
             (docs/serving.md).
         kv_scale: the per-tensor DEQUANT scale of an FP8 ``concat`` / ``split`` cache
             (``stored = e4m3(x / kv_scale)``, ``x = stored * kv_scale``; FlashInfer's
-            ``quant_scale_kv`` is its reciprocal): a float, or a 1-element fp32 tensor on the
-            device (read by the kernel, so a CUDA graph can change it). None otherwise.
+            ``quant_scale_kv`` is its reciprocal): a real number (``numbers.Real`` but bool:
+            numpy's scalars too), or a 1-element fp32 tensor on the device (read by the kernel,
+            so a CUDA graph can change it). None otherwise.
         interleaved: ``k_pe``'s pairs are ``(x[2j], x[2j+1])`` (True, DeepSeek checkpoints) or
             ``(x[j], x[R/2 + j])``.
         interleaved_out: write the rotated pairs interleaved (True, default: the bytes vLLM and
@@ -127,7 +128,8 @@ def rope_decode_query(
         out_dtype: ``q_nope``'s dtype (default) or ``torch.float8_e4m3fn``; taken from ``out``
             when given.
         q_scale: the per-tensor DEQUANT scale of an FP8 output (``stored = e4m3(x /
-            q_scale)``); a float or a 1-element fp32 tensor on the device; None otherwise.
+            q_scale)``); a real number or a 1-element fp32 tensor on the device, as
+            ``kv_scale`` in :func:`rope_append_kv_cache`; None otherwise.
         interleaved, interleaved_out: the rope pair layouts, as in
             :func:`rope_append_kv_cache` (default interleaved in and out: match the cache).
         pair_tables: ``cos, sin`` are pair tables ``[P, R / 2]``, as in
@@ -186,6 +188,7 @@ def rope_inverse_quant_output(
     scale_dtype: torch.dtype | None = None,
     interleaved: bool = True,
     interleaved_out: bool = True,
+    pair_tables: bool = False,
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4's attention output for its FP8 grouped output projection, in one launch:
@@ -195,8 +198,10 @@ def rope_inverse_quant_output(
     Args:
         o: ``[T, H, D]`` attention output, heads ``[nope | rope]`` (DeepSeek-V4: ``D = 512``,
             rope the last ``R = 64``), bf16, fp16 or fp32; last dim contiguous, any token and
-            head strides. ``D`` a multiple of 128.
-        cos, sin: ``[P, R]`` tables of the positions' rope set, fp32 preferred.
+            head strides. ``D`` a positive multiple of 128.
+        cos, sin: ``[P, R]`` tables of the positions' rope set, fp32 preferred; with
+            ``pair_tables=True``, ``[P, R / 2]``. ``R`` comes from the tables, so an engine's
+            ``cos_sin_cache`` halves without the flag are refused.
         positions: ``[T]`` int32/int64, each token's (query) position. A position outside
             ``[0, P)`` gives NaN rope values (e4m3 code ``0x7F``); ``validate=True`` raises.
         groups: ``G``, the output projection's head groups (DeepSeek-V4's ``o_groups`` on this
@@ -213,6 +218,8 @@ def rope_inverse_quant_output(
             ``scale_out`` when given.
         interleaved, interleaved_out: the rope pairs' layout in ``o`` and in ``out``
             (DeepSeek-V4: interleaved in and out, the defaults).
+        pair_tables: ``cos, sin`` are pair tables ``[P, R / 2]``, as in
+            :func:`rope_append_kv_cache`.
         validate: check the positions on the device (a sync). Also ``MLAROPE_VALIDATE=1``.
 
     Returns:
@@ -228,7 +235,7 @@ def rope_inverse_quant_output(
     """
     signature = _plans.output_signature(
         o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
-        interleaved_out, validate,
+        interleaved_out, pair_tables, validate,
     )  # fmt: skip
     plan = _plans.find(signature)
     if plan.__class__ is _plans.Plan:  # a repeated eager call
@@ -242,7 +249,7 @@ def rope_inverse_quant_output(
         plan = None
     call = output.check_output_call(
         o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
-        interleaved_out,
+        interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
         output.validate_output_on_device(call)

@@ -24,6 +24,7 @@ validation is asked for.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -164,8 +165,9 @@ def _check_not_differentiated(*named: tuple[str, torch.Tensor]) -> None:
 def _check_scale(
     name: str, scale: object, wanted: bool, why_not: str, device: torch.device
 ) -> tuple[torch.Tensor | None, float]:
-    """A per-tensor dequant scale -> ``(tensor or None, value)``: a number (finite, a normal
-    positive fp32) or a 1-element fp32 tensor on ``device``; ``None`` where not ``wanted``."""
+    """A per-tensor dequant scale -> ``(tensor or None, value)``: a real number (any
+    ``numbers.Real`` but a bool: numpy's real scalars too; finite, a normal positive fp32) or a
+    1-element fp32 tensor on ``device``; ``None`` where not ``wanted``."""
     if not wanted:
         if scale is not None:
             raise ValueError(f"{name} must be None {why_not}, got {_scale_repr(scale)}")
@@ -178,17 +180,22 @@ def _check_scale(
     if isinstance(scale, torch.Tensor):
         if scale.dtype != torch.float32 or scale.numel() != 1:
             raise TypeError(
-                f"{name} as a tensor must be a 1-element float32 tensor, got {_describe(scale)}"
+                f"{name} as a tensor must be a 1-element float32 tensor on the inputs' device "
+                f"(the kernel reads it there), got {_describe(scale)}"
             )
         if scale.device != device:
             raise ValueError(f"{name} must be on the inputs' device {device}, got {scale.device}")
         return scale.reshape(1) if scale.dim() != 1 else scale, 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(
-            f"{name} must be a float or a 1-element float32 tensor, got {scale!r} "
-            f"({type(scale).__name__})"
+            f"{name} must be a real number (an int, a float or another numbers.Real: numpy's "
+            f"real scalars, fractions.Fraction; not a bool) or a 1-element float32 tensor on the "
+            f"inputs' device, got {scale!r} ({type(scale).__name__})"
         )
-    value = float(scale)
+    try:
+        value = float(scale)
+    except OverflowError:  # an int beyond any float
+        value = math.inf
     if not (math.isfinite(value) and FP32_MIN_NORMAL <= value <= FP32_MAX):
         raise ValueError(
             f"{name} must be a finite positive float32 number in [2**-126, {FP32_MAX:.4g}], got "
@@ -346,6 +353,12 @@ def check_append_call(
         fp8 = _check_cache_dtype("ckv (cache[0])", ckv, kv_c)
         cache, kpe_cache = ckv, kpe
         why_not = f"for a {ckv.dtype} cache (only FP8 caches are scaled)"
+    if cache.shape[1] == 0:
+        name = "ckv (cache[0])" if kpe_cache is not None else "cache"
+        raise ValueError(
+            f"the cache's block_size = {name.split(' ')[0]}.shape[1] must be at least 1 (slot s "
+            f"is entry s % block_size of block s // block_size), got shape {tuple(cache.shape)}"
+        )
     if fp8:
         why_not = f"for an FP8 {cache_format} cache"
     scale, scale_value = _check_scale("kv_scale", kv_scale, fp8, why_not, kv_c.device)
@@ -671,9 +684,9 @@ def check_read_call(
         _check_read_dtype("cache", cache)
         if rope_dim is None:
             raise ValueError("rope_dim (R) is required for cache_format='concat'")
-        if rope_dim not in ROPE_DIMS or rope_dim >= cache.shape[2]:
+        if rope_dim not in ROPE_DIMS or rope_dim > cache.shape[2]:
             raise ValueError(
-                f"rope_dim must be one of {ROPE_DIMS} and less than the concat cache's entry "
+                f"rope_dim must be one of {ROPE_DIMS} and at most the concat cache's entry "
                 f"width L + R = {cache.shape[2]}, got {rope_dim}"
             )
         tensors, rope, fp8 = (cache,), rope_dim, cache.dtype in FP8_DTYPES

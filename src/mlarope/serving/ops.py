@@ -19,6 +19,7 @@ from .._memory import refuse_shared, refuse_written_overlap
 from ..ops import _same_table_strides, use_triton
 from . import reference
 from .formats import validate_on_device as formats_validate_on_device
+from .output import refuse_table_halves
 
 
 def rope_append_kv_cache_impl(
@@ -153,31 +154,37 @@ def query_with_kernel(
 
 def rope_inverse_quant_output_impl(
     o: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, out: Tensor, scale_out: Tensor,
-    groups: int, interleaved: bool, interleaved_out: bool,
+    groups: int, interleaved: bool, interleaved_out: bool, pair_tables: bool,
 ) -> None:  # fmt: skip
     """Write DeepSeek-V4's attention output ``o: [T, H, D]``, inverse-rotated and quantized,
     into ``out`` (e4m3 codes ``[T, G, (H / G) * D]``) and ``scale_out`` (its UE8M0 scales, in
-    ``scale_out``'s dtype: ``output.OutputCall``). Neither may overlap an input or the other:
-    checked here too (compiled graphs, as above)."""
+    ``scale_out``'s dtype: ``output.OutputCall``). Neither may overlap an input or the other,
+    and full tables may not be the halves of one buffer: checked here too (compiled graphs,
+    as above)."""
     refuse_shared(
         (("out", out), ("scale_out", scale_out)),
         (("o", o), ("cos", cos), ("sin", sin), ("positions", positions)),
     )
+    if not pair_tables:
+        refuse_table_halves(cos, sin)
     if not use_triton(o):
         codes, scales = reference.inverse_quant_output(
             o, cos, sin, positions, groups=groups, scale_dtype=scale_out.dtype,
-            interleaved_in=interleaved, interleaved_out=interleaved_out,
+            interleaved_in=interleaved, interleaved_out=interleaved_out, pair_tables=pair_tables,
         )  # fmt: skip
         with torch.no_grad():
             out.view(torch.uint8).copy_(codes)
             scale_out.copy_(scales)
         return
-    output_with_kernel(o, cos, sin, positions, out, scale_out, groups, interleaved, interleaved_out)
+    output_with_kernel(
+        o, cos, sin, positions, out, scale_out, groups, interleaved, interleaved_out, pair_tables
+    )
 
 
 def output_with_kernel(
     o: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, out: Tensor, scale_out: Tensor,
-    groups: int, interleaved: bool, interleaved_out: bool, config=None,
+    groups: int, interleaved: bool, interleaved_out: bool, pair_tables: bool = False,
+    config=None,
 ) -> None:  # fmt: skip
     """The Triton backend of :func:`rope_inverse_quant_output_impl` (``config``: a
     ``kernels.output_quant.OutputConfig``, for the benchmark's sweep)."""
@@ -194,7 +201,7 @@ def output_with_kernel(
         o, cos, sin, positions, out.view(torch.uint8), scale_bits,
         heads_per_group=o.shape[1] // groups, pack=4 if packed else 1,
         scale_fmt=kernels.SCALE_FP32 if fp32 else kernels.SCALE_E8M0, interleaved_in=interleaved,
-        interleaved_out=interleaved_out, config=config,
+        interleaved_out=interleaved_out, pair_tables=pair_tables, config=config,
     )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ import torch
 
 # Core import point (the library's checks).
 from .._checks import (
+    ROPE_DIMS,
     check_bool,
     check_last_dim_contiguous,
     check_tables,
@@ -45,8 +46,8 @@ class OutputCall:
     ``out`` and ``scale_out`` None where the call allocates them)."""
 
     o: torch.Tensor  # [T, H, D]
-    cos: torch.Tensor  # [P, R]
-    sin: torch.Tensor  # [P, R]
+    cos: torch.Tensor  # [P, R], or pair tables [P, R / 2]
+    sin: torch.Tensor  # [P, R], or pair tables [P, R / 2]
     positions: torch.Tensor  # [T]
     out: torch.Tensor | None  # [T, G, (H / G) * D] e4m3 codes
     scale_out: torch.Tensor | None  # [T, G, K]
@@ -54,6 +55,7 @@ class OutputCall:
     scale_dtype: torch.dtype
     interleaved: bool
     interleaved_out: bool
+    pair_tables: bool
 
     @property
     def width(self) -> int:
@@ -66,7 +68,7 @@ class OutputCall:
     def op_args(self, out: torch.Tensor, scale_out: torch.Tensor) -> tuple:
         return (
             self.o, self.cos, self.sin, self.positions, out, scale_out, self.groups,
-            self.interleaved, self.interleaved_out,
+            self.interleaved, self.interleaved_out, self.pair_tables,
         )  # fmt: skip
 
 
@@ -85,16 +87,18 @@ def check_output_call(
     scale_dtype: object,
     interleaved: object,
     interleaved_out: object,
+    pair_tables: object = False,
 ) -> OutputCall:
     """All host-side checks of a ``rope_inverse_quant_output`` call."""
     o = _check_input("o", o, 3, "[T, H, D]")
     n_tokens, n_heads, head_dim = o.shape
-    if head_dim % OUTPUT_BLOCK != 0:
+    if head_dim % OUTPUT_BLOCK != 0 or head_dim == 0:
         raise ValueError(
-            f"o's head dim D = o.shape[-1] must be a multiple of {OUTPUT_BLOCK} (one scale per "
-            f"{OUTPUT_BLOCK} channels), got shape {tuple(o.shape)}"
+            f"o's head dim D = o.shape[-1] must be a positive multiple of {OUTPUT_BLOCK} (one "
+            f"scale per {OUTPUT_BLOCK} channels), got shape {tuple(o.shape)}"
         )
-    cos2d, sin2d = check_tables(cos, sin, o.device)
+    check_bool("pair_tables", pair_tables)
+    cos2d, sin2d = _check_output_tables(cos, sin, o.device, pair_tables)
     check_tables_constant(cos, sin)
     positions = _check_index("positions", positions, n_tokens, o.device)
     if isinstance(groups, bool) or not isinstance(groups, int):
@@ -168,8 +172,49 @@ def check_output_call(
         _check_apart(written, read)
     return OutputCall(
         o, cos2d, sin2d, positions, out, scale_out, groups, scale_dtype, interleaved,
-        interleaved_out,
+        interleaved_out, pair_tables,
     )  # fmt: skip
+
+
+def _check_output_tables(
+    cos: object, sin: object, device: torch.device, pair_tables: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin: [P, R]``, or with ``pair_tables`` ``[P, R / 2]``: the rope width ``R`` comes
+    from the tables (``o`` does not say where its rope slice starts), so the form is the flag's.
+    The two halves of one ``[P, R]`` buffer without it are refused: an engine's
+    ``cos_sin_cache`` read as full tables of ``R / 2`` channels rotates the wrong slice."""
+    if not pair_tables:
+        cos2d, sin2d = check_tables(cos, sin, device)
+        refuse_table_halves(cos2d, sin2d)
+        return cos2d, sin2d
+    c = check_tensor("cos", cos)
+    rope_dim = 2 * c.shape[-1] if c.dim() else 0
+    if rope_dim not in ROPE_DIMS:
+        raise ValueError(
+            f"with pair_tables=True, the rope dim R = 2 * cos.shape[-1] must be one of "
+            f"{ROPE_DIMS}, got {rope_dim} (cos shape {tuple(c.shape)})"
+        )
+    return check_tables(cos, sin, device, ("2 * cos", rope_dim, True))
+
+
+def refuse_table_halves(cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Refuse ``cos, sin: [P, W]`` that are the two column halves of one ``[P, 2 W]`` buffer
+    (``sin`` starts where ``cos``'s row ends; row stride ``2 W``): an engine's ``cos_sin_cache``,
+    cos then sin, whose halves are pair tables. From the addresses, so not while
+    ``torch.compile`` traces; the custom op checks the graph's tensors when it runs."""
+    if torch.compiler.is_compiling():
+        return
+    width = cos.shape[-1]
+    if (
+        cos.stride(0) == sin.stride(0) == 2 * width
+        and sin.data_ptr() - cos.data_ptr() == width * cos.element_size()
+    ):
+        raise ValueError(
+            f"cos and sin are the two halves of one [P, {2 * width}] buffer (an engine's "
+            f"cos_sin_cache [P, R]: cos, then sin), the pair tables [P, R / 2] of R = "
+            f"{2 * width}: pass pair_tables=True (full [P, {width}] tables that lie side by side "
+            f"in one buffer: pass cos.contiguous() and sin.contiguous())"
+        )
 
 
 def validate_output_on_device(call: OutputCall) -> None:

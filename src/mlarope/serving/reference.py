@@ -345,7 +345,7 @@ def read_kv_cache(
     ``cache`` as :func:`mlarope.serving.rope_append_kv_cache` takes it (a ``(ckv, kpe)`` pair for
     ``split``); ``rope_dim``: ``R``, required for ``concat`` (one of 32, 64, 128), checked
     against the cache for the others; ``kv_scale``: the dequant scale of an FP8 ``concat`` or
-    ``split`` cache (a float or a 1-element fp32 tensor), None otherwise. ``fp8_656`` and
+    ``split`` cache (a real number or a 1-element fp32 tensor), None otherwise. ``fp8_656`` and
     ``fp8_584`` latents are ``code * s_j`` in fp32 (exact: ``s_j`` is a power of two), as
     FlashMLA's kernels dequantize them.
 
@@ -521,16 +521,18 @@ def inverse_quant_output(
     scale_dtype: torch.dtype,
     interleaved_in: bool,
     interleaved_out: bool,
+    pair_tables: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``o: [T, H, D]`` (checked; ``D`` a multiple of 128, the trailing ``R = cos.shape[-1]``
-    channels rotary) -> ``(codes, scales)``: ``codes`` ``uint8`` e4m3 ``[T, G, (H / G) * D]``
-    (``G = groups``; head ``h`` at ``[:, h // (H / G), (h % (H / G)) * D:][:D]``), the rope slice
-    rotated by the inverse angle in fp32 and every channel ``e4m3(x / s)`` with ``s`` its
+    channels rotary, ``2 * cos.shape[-1]`` with ``pair_tables``) -> ``(codes, scales)``:
+    ``codes`` ``uint8`` e4m3 ``[T, G, (H / G) * D]`` (``G = groups``; head ``h`` at ``[:, h //
+    (H / G), (h % (H / G)) * D:][:D]``), the rope slice rotated by the inverse angle in fp32
+    and every channel ``e4m3(x / s)`` with ``s`` its
     128-channel block's :func:`ue8m0_block_exponents` scale; ``scales`` ``[T, G, (H / G) * D /
     128]`` as ``scale_dtype``: fp32 values, UE8M0 bytes (``float8_e8m0fnu`` or ``uint8``), or
     int32 (``[.., / 4]``: four bytes to an element, block ``k`` in byte ``k % 4``)."""
     n_tokens, n_heads, head_dim = o.shape
-    rope_dim = cos.shape[1]
+    rope_dim = cos.shape[1] * (2 if pair_tables else 1)
     nope = head_dim - rope_dim
     rope = rotate_rope(
         o[..., nope:], cos, sin, positions, interleaved_in=interleaved_in,
@@ -566,6 +568,7 @@ def rope_inverse_quant_output(
     scale_dtype: torch.dtype | None = None,
     interleaved: bool = True,
     interleaved_out: bool = True,
+    pair_tables: bool = False,
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mlarope.serving.rope_inverse_quant_output` in plain PyTorch: the same arguments,
@@ -576,14 +579,14 @@ def rope_inverse_quant_output(
 
     call = output.check_output_call(
         o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
-        interleaved_out,
+        interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
         output.validate_output_on_device(call)
     codes, scales = inverse_quant_output(
         call.o, call.cos, call.sin, call.positions, groups=call.groups,
         scale_dtype=call.scale_dtype, interleaved_in=call.interleaved,
-        interleaved_out=call.interleaved_out,
+        interleaved_out=call.interleaved_out, pair_tables=call.pair_tables,
     )  # fmt: skip
     result = (
         call.out if call.out is not None else torch.empty_like(codes, dtype=torch.float8_e4m3fn)

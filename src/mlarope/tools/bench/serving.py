@@ -72,8 +72,8 @@ class Dims:
     v4_latent: int = 448  # DeepSeek-V4's nope width: fp8_584's latent
     head_dim: int = 512  # DeepSeek-V4's head, [nope 448 | rope 64]: the output op's D
     heads_per_group: int = 8  # V4's o_groups split its heads in groups of 8 (Pro: 128 / 16)
-    # The append and the query are given pair tables [P, R / 2] (an engine's cos_sin_cache
-    # halves; FlashInfer's input too), else the full tables [P, R] (--tables full).
+    # Every op is given pair tables [P, R / 2] (an engine's cos_sin_cache halves; FlashInfer's
+    # input too), else the full tables [P, R] (--tables full).
     pair_tables: bool = True
 
 
@@ -254,16 +254,14 @@ def _fp8_cache(op: OpSpec) -> bool:
 
 
 def _takes_pair_tables(op: OpSpec, dims: Dims) -> bool:
-    """Whether ours is given pair tables: ``dims.pair_tables``, except for the output op, which
-    takes ``[P, R]`` only."""
-    return dims.pair_tables and op.kind != "output"
+    """Whether ours is given pair tables: ``dims.pair_tables``, for every op."""
+    return dims.pair_tables
 
 
 def rope_tables(op: OpSpec, dims: Dims, cos, sin):
-    """The tables ours is given: with ``dims.pair_tables`` the append and the query take the
-    pair tables ``[P, R / 2]`` (column views of the ``[P, R]`` tables, as an engine's
-    ``cos_sin_cache`` halves are), else (and the output op, which takes ``[P, R]`` only) the
-    full tables."""
+    """The tables ours is given: with ``dims.pair_tables`` the pair tables ``[P, R / 2]``
+    (column views of the ``[P, R]`` tables, as an engine's ``cos_sin_cache`` halves are), else
+    the full tables."""
     if _takes_pair_tables(op, dims):
         half = cos.shape[1] // 2
         return cos[:, :half], sin[:, :half]
@@ -280,7 +278,7 @@ def ours(op: OpSpec, inp: Inputs, cos, sin, dims: Dims) -> Callable[[], object]:
     if op.kind == "output":
         return lambda: rope_inverse_quant_output(
             inp.o, cos, sin, inp.positions, groups=inp.groups, out=inp.out,
-            scale_out=inp.scale_out,
+            scale_out=inp.scale_out, pair_tables=pair,
         )  # fmt: skip
     if op.kind == "append":
         scale = inp.scale if _fp8_cache(op) else None
@@ -781,10 +779,10 @@ def run_sweep(
                               dtype=torch.uint8, device=device)  # fmt: skip
             scale_out = torch.empty(*out.shape[:2], out.shape[2] // 128, device=device)
 
-            def launch(config, inp=inp, out=out, scale_out=scale_out):
+            def launch(config, inp=inp, out=out, scale_out=scale_out, op=op):
                 ops.output_with_kernel(
-                    inp.o, cos, sin, inp.positions, out, scale_out, inp.groups, True, True,
-                    config=config,
+                    inp.o, *rope_tables(op, dims, cos, sin), inp.positions, out, scale_out,
+                    inp.groups, True, True, _takes_pair_tables(op, dims), config=config,
                 )  # fmt: skip
         elif op.kind == "append":
             scale = inp.scale if _fp8_cache(op) else None
