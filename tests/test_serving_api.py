@@ -17,7 +17,7 @@ import mlarope
 from mlarope import serving
 from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
 from mlarope.kernels._launch import recording
-from mlarope.serving import _plans, formats
+from mlarope.serving import _plans, checks, formats
 from mlarope.serving import reference as ref
 from tests.serving_support import model1_cache, tables
 
@@ -623,7 +623,7 @@ def test_append_plan_replays_the_pipeline(device, monkeypatch, fmt, cache_dtype,
     def fail(*args, **kwargs):
         raise AssertionError("the checks ran: the call did not take its plan")
 
-    monkeypatch.setattr(formats, "check_append_call", fail)
+    monkeypatch.setattr(checks, "check_append_call", fail)
     _append(fresh)
     monkeypatch.undo()
     caches = (fresh["cache"], expected["cache"])
@@ -702,7 +702,7 @@ def test_query_plan(device, monkeypatch):
     args = _query_args(device)
     first = _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.02)
     _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.02)
-    monkeypatch.setattr(formats, "check_query_call", lambda *a: 1 / 0)
+    monkeypatch.setattr(checks, "check_query_call", lambda *a: 1 / 0)
     again = _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.02)
     other_scale = _query(args, out_dtype=torch.float8_e4m3fn, q_scale=0.04)
     monkeypatch.undo()

@@ -751,7 +751,7 @@ def run_sweep(
     the other tables (full or pair)."""
     from mlarope.kernels import output_quant
     from mlarope.kernels import serving as kernels
-    from mlarope.serving import formats, ops
+    from mlarope.serving import checks, ops
 
     results = []
     for key in op_keys:
@@ -788,7 +788,7 @@ def run_sweep(
             scale = inp.scale if _fp8_cache(op) else None
 
             def checked(tables, positions, pair, inp=inp, scale=scale, op=op):
-                return formats.check_append_call(
+                return checks.check_append_call(
                     inp.kv_c, inp.k_pe, *tables, positions, inp.cache, inp.slots, op.fmt,
                     scale, True, True, pair,
                 )  # fmt: skip
