@@ -106,7 +106,7 @@ def unfused(op: OpSpec, inp: Inputs, cos, sin) -> Callable[[], object]:
             data = raw[:, : bs * 576].unflatten(1, (bs, 576))
             scales = raw[:, bs * 576 :].unflatten(1, (bs, 8))
             # The benchmark's slots are all cache entries (no padding): indexing by them keeps the
-            # sequence capturable in a CUDA graph (a boolean mask syncs: run G5 failed there).
+            # sequence capturable in a CUDA graph (a boolean mask syncs, which a capture refuses).
             blocks, entries = inp.slots // bs, inp.slots % bs
             data[blocks, entries] = rows
             scales[blocks, entries, :7] = ue8m0

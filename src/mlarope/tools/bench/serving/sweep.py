@@ -20,8 +20,8 @@ def run_sweep(
     FP8 with the integer encoder (``kernels.serving.NATIVE_CASTS = False``): kernel time and %
     of copy. Each launch is captured in a CUDA graph and its replays timed by ``do_bench``, the
     L2 flushed before each: a launch through Triton's own binder, as here, can take longer on
-    the host than the flush on the GPU, and was then timed with its host time (run H3's split
-    FP8 append: 24-36 us in the sweep, 17.8 in the main table). The appends also run with
+    the host than the flush on the GPU, and was then timed with its host time (the split FP8
+    append: 24-36 us in the sweep, 17.8 in the main table; perf_log v16). The appends also run with
     every position 0 (one table row, which stays in the L2: what the table rows cost) and with
     the other tables (full or pair)."""
     from mlarope.kernels import output_quant
