@@ -20,7 +20,7 @@ import torch
 import mlarope.kernels.serving  # noqa: F401  (imported before a test sets TRITON_INTERPRET=0)
 from mlarope import serving
 from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
-from mlarope.serving import _plans, formats
+from mlarope.serving import _plans, checks
 from tests.serving_support import tables
 
 L, R, T, H = 512, 64, 4, 3
@@ -187,7 +187,7 @@ def test_split_cache_as_column_views_of_one_buffer(backend, device, monkeypatch)
     for call in range(3):
         buf = _split_buffer(device)
         if call == 2 and backend == "kernels":  # the plan recorded by the first call
-            monkeypatch.setattr(formats, "check_append_call", _no_checks)
+            monkeypatch.setattr(checks, "check_append_call", _no_checks)
         _append_split(device, buf[..., :L], buf[..., L:])
         monkeypatch.undo()
         assert torch.equal(buf[..., :L], want_ckv) and torch.equal(buf[..., L:], want_kpe)
@@ -224,7 +224,7 @@ def test_decode_out_beside_q_pe_in_one_buffer(backend, device, monkeypatch):
         out, q_pe = buf[..., : 32 + R], buf[..., 32 + R :]
         q_pe.copy_(pe)
         if call == 2 and backend == "kernels":
-            monkeypatch.setattr(formats, "check_query_call", _no_checks)
+            monkeypatch.setattr(checks, "check_query_call", _no_checks)
         assert serving.rope_decode_query(q_nope, q_pe, cos, sin, positions, out=out) is out
         monkeypatch.undo()
         assert torch.equal(out, want) and torch.equal(q_pe, pe)

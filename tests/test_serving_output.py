@@ -27,7 +27,7 @@ import mlarope.kernels.output_quant  # noqa: F401
 from mlarope import serving
 from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
 from mlarope.kernels._launch import recording
-from mlarope.serving import _plans, output
+from mlarope.serving import _plans, checks
 from mlarope.serving import reference as ref
 from mlarope.tools.errmodel import U32
 from tests.harness import random_tables
@@ -472,7 +472,7 @@ def test_plan_replays_the_pipeline(device, monkeypatch, given):
     assert entries[0][1].__class__ is _plans.Plan
     fresh = dict(base, o=torch.randn(T, H, D).to(torch.bfloat16).to(device),
                  positions=torch.tensor([3, 1, 2, 0], device=device))  # fmt: skip
-    monkeypatch.setattr(output, "check_output_call", lambda *a: 1 / 0)
+    monkeypatch.setattr(checks, "check_output_call", lambda *a: 1 / 0)
     got = _call(fresh)
     monkeypatch.undo()
     got = tuple(t.clone() for t in got)

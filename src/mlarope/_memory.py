@@ -5,7 +5,7 @@ An in-place kernel rotates its target through a raw pointer while other programs
 tables and positions: a target whose elements share memory would be rotated twice, and one
 that overlaps what the call reads would feed programs values others already rotated (on a GPU,
 a race). The serving ops write a cache or ``out`` while reading their inputs, under the same
-rule. The public API checks this before anything runs (``_checks``, ``serving.formats``), the
+rule. The public API checks this before anything runs (``_checks``, ``serving.checks``), the
 custom ops again at run time (compiled graphs reach them with real tensors only there), and a
 launch plan from the addresses of a repeated call (``_plans``, ``serving._plans``).
 

@@ -22,8 +22,19 @@ quantization) per stored element, for the common cache formats:
   attention);
 - :mod:`mlarope.serving.reference`: the same in plain PyTorch.
 
-Scales are dequant scales (``value = stored * scale``). Both ops are ``torch.compile`` custom
+Scales are dequant scales (``value = stored * scale``). The ops are ``torch.compile`` custom
 ops that declare what they write, and CUDA-graph capturable. See docs/serving.md.
+
+Layers: ``formats -> checks -> reference -> ops, _plans -> api -> __init__``. Each module imports
+from its own layer or the layers before it, never after, and no import circle
+(tests/test_serving_layers.py reads this line):
+
+- ``formats``: the data: cache formats, their byte layouts (and the views of them), dtypes;
+- ``checks``: every host-side check, one module per op over ``checks.common``, and the checked
+  calls the custom ops take;
+- ``reference``: the PyTorch spec, the CPU backend and the cache reader;
+- ``ops``: the custom ops and the backend dispatch; ``_plans``: the eager launch plans;
+- ``api``: the public calls (plan, checks, custom op); ``__init__``: re-exports.
 """
 
 from __future__ import annotations

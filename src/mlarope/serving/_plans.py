@@ -1,7 +1,7 @@
 """Launch plans of the serving ops: a repeated eager call skips straight to its kernel launch.
 
 A decode step calls each op once per layer with tensors of the same metadata; only addresses,
-and a Python-number scale, change. The first call with new metadata runs the whole pipeline
+and a number scale, change. The first call with new metadata runs the whole pipeline
 (checks -> custom-op implementation -> launcher) while ``kernels._launch.recording()`` notes
 its launch; later calls whose key and guard match fill the new tensors and the scale into the
 recorded argument list and launch, without checks, views or Triton's binder.
@@ -13,12 +13,14 @@ recorded argument list and launch, without checks, views or Triton's binder.
 - Guard: every tensor's class, dtype, device, dispatch keys, ``requires_grad``, sizes and
   strides against the recorded call (``torch._C._dynamo.guards.TensorGuards``, as
   ``mlarope._plans``), so a call takes a plan only where the pipeline would pass every check
-  and make the same launch. A Python-number scale is range-checked on every call, and a
-  written tensor is checked, from the addresses, to lie apart from every other tensor (byte
-  spans apart, or at the offset of the recorded call, which the pipeline found to share no
-  element: the memory rule depends on the addresses only through that offset): the two
+  and make the same launch. A number scale (any real number, numpy's scalars too) is
+  range-checked on every call, and a written tensor is checked, from the addresses, to lie
+  apart from every other tensor (byte spans apart, or at the offset of the recorded call,
+  which the pipeline found to share no element: the memory rule depends on the addresses
+  only through that offset): the two
   checks of the pipeline that depend on values, not on metadata. Anything else takes the
-  pipeline.
+  pipeline, and so do the attention output's full tables whose ``sin`` starts a row's width
+  after ``cos`` (an engine's ``cos_sin_cache`` halves, which its checks refuse).
 - Replay: each kernel argument that was a tensor is the call's tensor at the recorded index.
   The kernels were given integer views (``uint8``, ``int16``, ``int32``) of some of them; a
   compiled kernel sees only the address, so the call's tensor itself is passed, and the view is
@@ -30,7 +32,7 @@ Nothing is planned under ``torch.compile``, with validation on (argument or
 The entries live in the core's one launch cache (``mlarope._launch_cache.LAUNCH_CACHE.plans``,
 keys starting ``"serving.append"`` / ``"serving.query"`` / ``"serving.output"``, apart from
 the core's ``"q"`` / ``"kv"``), so ``clear_launch_cache()`` forgets them too and the table's
-bound covers both. The replay stays here: unlike the core's plans it passes a Python-number
+bound covers both. The replay stays here: unlike the core's plans it passes a number
 scale, allocates outputs of another dtype than the input's, and checks written tensors against
 read ones.
 """

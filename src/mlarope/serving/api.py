@@ -8,7 +8,7 @@ import torch
 
 # Core import point (validation switch, shared with the core ops).
 from .._checks import validation_requested
-from . import _plans, formats, ops, output
+from . import _plans, checks, ops
 
 
 def rope_append_kv_cache(
@@ -84,12 +84,12 @@ def rope_append_kv_cache(
         if plan(signature[1], signature[2], signature[3]) is not _plans.MISSING:
             return
         plan = None
-    call = formats.check_append_call(
+    call = checks.check_append_call(
         kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale,
         interleaved, interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
-        formats.validate_append_on_device(call)
+        checks.validate_append_on_device(call)
     if torch.compiler.is_compiling():
         ops.rope_append_kv_cache_op(*call.op_args())
         return
@@ -150,12 +150,12 @@ def rope_decode_query(
         if result is not _plans.MISSING:
             return out if out is not None else result
         plan = None
-    call = formats.check_query_call(
+    call = checks.check_query_call(
         q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved,
         interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
-        formats.validate_query_on_device(call)
+        checks.validate_query_on_device(call)
     inputs = (call.q_nope, call.q_pe, call.cos, call.sin, call.positions)
     if torch.compiler.is_compiling():
         if call.out is None:
@@ -247,12 +247,12 @@ def rope_inverse_quant_output(
                 scale_out if scale_out is not None else next(new),
             )
         plan = None
-    call = output.check_output_call(
+    call = checks.check_output_call(
         o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
         interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
-        output.validate_output_on_device(call)
+        checks.validate_output_on_device(call)
     new_out = call.out
     if new_out is None:
         new_out = call.o.new_empty((o.shape[0], groups, call.width), dtype=torch.float8_e4m3fn)

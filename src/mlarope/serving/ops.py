@@ -15,11 +15,10 @@ import torch
 from torch import Tensor
 
 # Core import point (the backend choice, the tables' common stride).
-from .._memory import refuse_shared, refuse_written_overlap
+from .._memory import refuse_shared
 from ..ops import _same_table_strides, use_triton
-from . import reference
-from .formats import validate_on_device as formats_validate_on_device
-from .output import refuse_table_halves
+from . import formats, reference
+from .checks import refuse_table_halves
 
 
 def rope_append_kv_cache_impl(
@@ -27,11 +26,11 @@ def rope_append_kv_cache_impl(
     kpe_cache: Tensor | None, slot_mapping: Tensor, scale: Tensor | None, scale_value: float,
     cache_format: str, interleaved: bool, interleaved_out: bool,
 ) -> None:  # fmt: skip
-    """Write ``T`` tokens into a paged cache (a checked call: ``formats.AppendCall``'s fields).
+    """Write ``T`` tokens into a paged cache (a checked call: ``checks.AppendCall``'s fields).
     No written tensor may have an element in common with a read one or with the other written
     one: checked here too, since a compiled graph reaches this op with real tensors only when
-    it runs (under ``aot_eager`` with a clone of the cache: ``refuse_shared_op`` below checks
-    the graph's own tensors before)."""
+    it runs (under ``aot_eager`` with a clone of the cache: ``checks.common.refuse_shared_op``
+    checks the graph's own tensors before)."""
     written = (
         (("cache", cache),) if kpe_cache is None
         else (("ckv (cache[0])", cache), ("kpe (cache[1])", kpe_cache))
@@ -65,10 +64,10 @@ def append_with_kernel(
 
     cos, sin = _same_table_strides(cos, sin)
     if cache_format == "fp8_656":
-        records = reference.fp8_656_records(cache)
+        records = formats.fp8_656_records(cache)
         kernels.rope_append_launch(
             kv_c, k_pe, cos, sin, positions, slot_mapping, records, records.view(torch.int16),
-            records.view(torch.int32), rope_offset=reference.FP8_656_ROPE_AT // 2,
+            records.view(torch.int32), rope_offset=formats.FP8_656_ROPE_AT // 2,
             nope_mode=2, rope_mode=5, scale=None, scale_value=1.0, interleaved_in=interleaved,
             interleaved_out=interleaved_out, config=config,
         )  # fmt: skip
@@ -77,22 +76,22 @@ def append_with_kernel(
         # Three views at the cache's address (a plan maps each back to the cache): the data rows
         # (codes), the same memory as int16 (the bf16 rope values, after 448 bytes) and the
         # scale rows, which start 576 * block_size bytes into the block (TILE_OFFSET).
-        codes = reference.fp8_584_bytes(cache)
+        codes = formats.fp8_584_bytes(cache)
         n_blocks, block_size = codes.shape[:2]
         stride = codes.stride(0)
-        data = codes.as_strided((n_blocks, block_size, reference.FP8_584_DATA_ROW),
-                                (stride, reference.FP8_584_DATA_ROW, 1))  # fmt: skip
+        data = codes.as_strided((n_blocks, block_size, formats.FP8_584_DATA_ROW),
+                                (stride, formats.FP8_584_DATA_ROW, 1))  # fmt: skip
         rope = codes.view(torch.int16).as_strided(
-            (n_blocks, block_size, reference.FP8_584_DATA_ROW // 2),
-            (stride // 2, reference.FP8_584_DATA_ROW // 2, 1),
+            (n_blocks, block_size, formats.FP8_584_DATA_ROW // 2),
+            (stride // 2, formats.FP8_584_DATA_ROW // 2, 1),
         )
-        tiles = codes.as_strided((n_blocks, block_size, reference.FP8_584_SCALE_ROW),
-                                 (stride, reference.FP8_584_SCALE_ROW, 1))  # fmt: skip
+        tiles = codes.as_strided((n_blocks, block_size, formats.FP8_584_SCALE_ROW),
+                                 (stride, formats.FP8_584_SCALE_ROW, 1))  # fmt: skip
         kernels.rope_append_launch(
             kv_c, k_pe, cos, sin, positions, slot_mapping, data, rope, tiles,
-            rope_offset=reference.FP8_584_ROPE_AT // 2, nope_mode=6, rope_mode=5, scale=None,
+            rope_offset=formats.FP8_584_ROPE_AT // 2, nope_mode=6, rope_mode=5, scale=None,
             scale_value=1.0, interleaved_in=interleaved, interleaved_out=interleaved_out,
-            config=config, tile_offset=block_size * reference.FP8_584_DATA_ROW,
+            config=config, tile_offset=block_size * formats.FP8_584_DATA_ROW,
         )  # fmt: skip
         return
     fp8 = cache.dtype in (torch.float8_e4m3fn, torch.uint8)
@@ -158,7 +157,7 @@ def rope_inverse_quant_output_impl(
 ) -> None:  # fmt: skip
     """Write DeepSeek-V4's attention output ``o: [T, H, D]``, inverse-rotated and quantized,
     into ``out`` (e4m3 codes ``[T, G, (H / G) * D]``) and ``scale_out`` (its UE8M0 scales, in
-    ``scale_out``'s dtype: ``output.OutputCall``). Neither may overlap an input or the other,
+    ``scale_out``'s dtype: ``checks.OutputCall``). Neither may overlap an input or the other,
     and full tables may not be the halves of one buffer: checked here too (compiled graphs,
     as above)."""
     refuse_shared(
@@ -221,54 +220,6 @@ def rope_decode_query_impl(
 
 
 # ------------------------------------------------------------------------------- custom ops
-def _refuse_shared_impl(written: list[Tensor], read: list[Tensor | None], names: str) -> None:
-    """The serving checks' memory rule on a compiled graph's real tensors: each written tensor
-    with elements of its own (``_memory.refuse_written_overlap``), apart from the others and
-    from the read ones (``_memory.refuse_shared``). ``names``: the written tensors' names, then
-    ``;`` and the read ones', each list joined by commas."""
-    written_names, read_names = (part.split(",") for part in names.split(";"))
-    for name, t in zip(written_names, written, strict=True):
-        refuse_written_overlap(name, t)
-    refuse_shared(
-        tuple(zip(written_names, written, strict=True)), tuple(zip(read_names, read, strict=True))
-    )
-
-
-# The serving checks' memory rule inside a compiled graph (``formats._check_apart`` puts it
-# there while tracing). An op of its own, not only the writing op's check: under
-# ``backend="aot_eager"`` functionalization hands the writing op a clone of the cache (and
-# copies it back after), so only an op that writes nothing sees the graph's real tensors on
-# every backend. It returns nothing, so it is registered as having a side effect, or dead-code
-# elimination would drop it.
-refuse_shared_op = torch.library.custom_op(
-    "mlarope::refuse_shared", _refuse_shared_impl, mutates_args=()
-)
-
-
-@refuse_shared_op.register_fake
-def _refuse_shared_fake(*args) -> None:
-    return None
-
-
-_keep = (
-    getattr(torch.fx.node, "has_side_effect", None) or torch.fx.node._side_effectful_functions.add
-)
-_keep(torch.ops.mlarope.refuse_shared.default)
-
-# The serving ops' device-data checks inside a compiled graph (``formats.validate_on_device``
-# puts them there while tracing): they read the data and raise when the graph runs.
-validate_on_device_op = torch.library.custom_op(
-    "mlarope::serving_validate_on_device", formats_validate_on_device, mutates_args=()
-)
-
-
-@validate_on_device_op.register_fake
-def _validate_on_device_fake(*args) -> None:
-    return None
-
-
-_keep(torch.ops.mlarope.serving_validate_on_device.default)
-
 rope_append_kv_cache_op = torch.library.custom_op(
     "mlarope::rope_append_kv_cache", rope_append_kv_cache_impl, mutates_args=("cache", "kpe_cache")
 )

@@ -29,29 +29,25 @@ from __future__ import annotations
 
 import torch
 
-# Core import point (the rotation's spec).
+# Core import point (the rotation's spec, the validation switch).
+from .._checks import validation_requested
 from ..reference import canonical_nan, rotate_pairs
-
-E4M3_MAX = 448.0
-FP8_656_BYTES = 656  # per token: 512 e4m3 codes, 4 fp32 tile scales, 64 bf16 rope values
-FP8_656_LATENT = 512
-FP8_656_ROPE = 64
-FP8_656_TILE = 128
-FP8_656_SCALES_AT = 512  # byte offsets within a record
-FP8_656_ROPE_AT = 528
-MIN_TILE_SCALE = 2.0**-13  # FlashMLA's floor 1e-4, rounded up to a power of two
-# FlashMLA's MODEL1_FP8Sparse (DeepSeek-V4) cache: a block holds ``block_size`` data rows of 576
-# bytes (448 e4m3 codes, then 64 bf16 rope values), then ``block_size`` scale rows of 8 bytes
-# (7 UE8M0 exponents, one pad byte); blocks are padded to a multiple of 576 bytes.
-FP8_584_BYTES = 584  # per token: a 576-byte data row and an 8-byte scale row
-FP8_584_LATENT = 448
-FP8_584_ROPE = 64
-FP8_584_TILE = 64
-FP8_584_TILES = 7
-FP8_584_DATA_ROW = 576
-FP8_584_ROPE_AT = 448  # byte offset of the rope values within a data row
-FP8_584_SCALE_ROW = 8
-FP8_584_BLOCK_ALIGN = 576  # a block's stride is a multiple of this
+from . import checks
+from .formats import (
+    E4M3_MAX,
+    FP8_584_LATENT,
+    FP8_584_ROPE_AT,
+    FP8_584_TILE,
+    FP8_584_TILES,
+    FP8_656_LATENT,
+    FP8_656_ROPE_AT,
+    FP8_656_SCALES_AT,
+    FP8_656_TILE,
+    OUTPUT_BLOCK,
+    as_codes,
+    fp8_584_rows,
+    fp8_656_records,
+)
 
 
 # ------------------------------------------------------------------------------ number formats
@@ -201,50 +197,6 @@ def _slots(slot_mapping: torch.Tensor, block_size: int, n_blocks: int):
     return tokens, torch.div(chosen, block_size, rounding_mode="floor"), chosen % block_size
 
 
-def _as_codes(t: torch.Tensor) -> torch.Tensor:
-    """An FP8 cache as its ``uint8`` codes (a view)."""
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
-def fp8_656_records(cache: torch.Tensor) -> torch.Tensor:
-    """A FlashMLA FP8 cache (``[num_blocks, block_size, 656]`` or ``[..., 1, 656]``) as its
-    ``uint8`` records ``[num_blocks, block_size, 656]`` (a view)."""
-    if cache.dim() == 4:
-        cache = cache.squeeze(2)
-    return _as_codes(cache)
-
-
-def fp8_584_bytes(cache: torch.Tensor) -> torch.Tensor:
-    """A DeepSeek-V4 FP8 cache (``[num_blocks, block_size, 584]`` or ``[..., 1, 584]``, blocks
-    a multiple of 576 bytes apart) as ``uint8`` ``[num_blocks, block_size, 584]`` with strides
-    ``(block stride, 584, 1)`` (a view). The entry stride is 584 where the checks require it and
-    free, as a single block's stride is, where no address depends on it (one entry a block);
-    both are set so that an integer view of the cache can be made (an odd one could not)."""
-    if cache.dim() == 4:
-        cache = cache.squeeze(2)
-    codes = _as_codes(cache)
-    n_blocks, block_size = codes.shape[:2]
-    block_stride = block_size * FP8_584_BYTES if n_blocks == 1 else codes.stride(0)
-    return codes.as_strided(codes.shape, (block_stride, FP8_584_BYTES, 1))
-
-
-def fp8_584_rows(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data [num_blocks, block_size, 576], scales [num_blocks, block_size, 8])``: ``uint8``
-    views of a DeepSeek-V4 FP8 cache's data rows (entry ``e`` at byte ``576 e`` of its block)
-    and scale rows (at byte ``576 block_size + 8 e``)."""
-    codes = fp8_584_bytes(cache)
-    n_blocks, block_size = codes.shape[:2]
-    stride, offset = codes.stride(0), codes.storage_offset()
-    data = codes.as_strided(
-        (n_blocks, block_size, FP8_584_DATA_ROW), (stride, FP8_584_DATA_ROW, 1), offset
-    )
-    scales = codes.as_strided(
-        (n_blocks, block_size, FP8_584_SCALE_ROW), (stride, FP8_584_SCALE_ROW, 1),
-        offset + block_size * FP8_584_DATA_ROW,
-    )  # fmt: skip
-    return data, scales
-
-
 @torch.no_grad()
 def append_kv_cache(
     kv_c: torch.Tensor,
@@ -302,14 +254,14 @@ def append_kv_cache(
             (_store_latent(kv_c[tokens], dtype, kv_scale), _round(rope[tokens], dtype, kv_scale)),
             dim=1,
         )
-        _write(_as_codes(cache) if _is_fp8(dtype) else cache, blocks, entries, entry)
+        _write(as_codes(cache) if _is_fp8(dtype) else cache, blocks, entries, entry)
         return
     tokens, blocks, entries = _slots(slot_mapping, cache.shape[1], cache.shape[0])
     for target, values in (
         (cache, _store_latent(kv_c[tokens], dtype, kv_scale)),
         (kpe_cache, _round(rope[tokens], dtype, kv_scale)),
     ):
-        _write(_as_codes(target) if _is_fp8(dtype) else target, blocks, entries, values)
+        _write(as_codes(target) if _is_fp8(dtype) else target, blocks, entries, values)
 
 
 def _bf16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -355,9 +307,7 @@ def read_kv_cache(
     shape or dtype, a ``rope_dim`` that does not fit it, or a scale that is missing or not
     wanted; a wrong type raises ``TypeError``.
     """
-    from .formats import check_read_call  # formats imports this module's constants
-
-    tensors, slots, rope_dim, scale = check_read_call(
+    tensors, slots, rope_dim, scale = checks.check_read_call(
         cache, slots, cache_format, rope_dim, kv_scale
     )
     if cache_format == "fp8_656":
@@ -436,15 +386,12 @@ def rope_append_kv_cache(
 ) -> None:
     """:func:`mlarope.serving.rope_append_kv_cache` in plain PyTorch: the same arguments, checks
     and errors, written by :func:`append_kv_cache` (of two tokens with one slot, the later)."""
-    from .._checks import validation_requested
-    from . import formats  # formats imports this module
-
-    call = formats.check_append_call(
+    call = checks.check_append_call(
         kv_c, k_pe, cos, sin, positions, cache, slot_mapping, cache_format, kv_scale,
         interleaved, interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
-        formats.validate_append_on_device(call)
+        checks.validate_append_on_device(call)
     append_kv_cache(
         call.kv_c, call.k_pe, call.cos, call.sin, call.positions, call.cache, call.kpe_cache,
         call.slot_mapping, cache_format=call.cache_format,
@@ -470,15 +417,12 @@ def rope_decode_query(
 ) -> torch.Tensor:
     """:func:`mlarope.serving.rope_decode_query` in plain PyTorch: the same arguments, checks,
     errors and result (``out`` itself when given), computed by :func:`decode_query`."""
-    from .._checks import validation_requested
-    from . import formats
-
-    call = formats.check_query_call(
+    call = checks.check_query_call(
         q_nope, q_pe, cos, sin, positions, out, out_dtype, q_scale, interleaved,
         interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
-        formats.validate_query_on_device(call)
+        checks.validate_query_on_device(call)
     result = decode_query(
         call.q_nope, call.q_pe, call.cos, call.sin, call.positions,
         out_dtype=torch.float8_e4m3fn if call.fp8 else call.q_nope.dtype,
@@ -493,23 +437,6 @@ def rope_decode_query(
 
 
 # ------------------------------------------------------------------------- the attention output
-OUTPUT_BLOCK = 128  # channels per UE8M0 scale (DeepSeek's FP8 activation block)
-# fp32 scales; UE8M0 bytes (float8_e8m0fnu where this torch has it, or uint8); four UE8M0
-# bytes to an int32 element.
-OUTPUT_SCALE_DTYPES = tuple(
-    d
-    for d in (torch.float32, getattr(torch, "float8_e8m0fnu", None), torch.uint8, torch.int32)
-    if d is not None
-)
-
-
-def output_scale_shape(n_tokens: int, groups: int, width: int, dtype: torch.dtype) -> tuple:
-    """``scale_out``'s shape for ``[T, G, width]`` codes: one scale per 128 channels, four to an
-    element for int32 (packed UE8M0 bytes)."""
-    blocks = width // OUTPUT_BLOCK
-    return (n_tokens, groups, blocks // 4 if dtype == torch.int32 else blocks)
-
-
 @torch.no_grad()
 def inverse_quant_output(
     o: torch.Tensor,
@@ -574,15 +501,12 @@ def rope_inverse_quant_output(
     """:func:`mlarope.serving.rope_inverse_quant_output` in plain PyTorch: the same arguments,
     checks, errors and result (``out`` and ``scale_out`` themselves when given), computed by
     :func:`inverse_quant_output`."""
-    from .._checks import validation_requested
-    from . import output  # output imports this module
-
-    call = output.check_output_call(
+    call = checks.check_output_call(
         o, cos, sin, positions, groups, out, scale_out, scale_dtype, interleaved,
         interleaved_out, pair_tables,
     )  # fmt: skip
     if validation_requested(validate):
-        output.validate_output_on_device(call)
+        checks.validate_output_on_device(call)
     codes, scales = inverse_quant_output(
         call.o, call.cos, call.sin, call.positions, groups=call.groups,
         scale_dtype=call.scale_dtype, interleaved_in=call.interleaved,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 # Core import point (the library's checks).
-from .._checks import (
+from ..._checks import (
     ROPE_DIMS,
     check_bool,
     check_last_dim_contiguous,
@@ -27,17 +27,15 @@ from .._checks import (
     check_tables_constant,
     check_tensor,
 )
-from .formats import (
-    _check_apart,
-    _check_index,
-    _check_input,
-    _check_not_differentiated,
-    _check_written,
+from ..formats import CODE_DTYPES, OUTPUT_BLOCK, OUTPUT_SCALE_DTYPES, output_scale_shape
+from .common import (
+    check_apart,
+    check_index,
+    check_input,
+    check_not_differentiated,
+    check_written,
     validate_on_device,
 )
-from .reference import OUTPUT_BLOCK, OUTPUT_SCALE_DTYPES, output_scale_shape
-
-CODE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -90,7 +88,7 @@ def check_output_call(
     pair_tables: object = False,
 ) -> OutputCall:
     """All host-side checks of a ``rope_inverse_quant_output`` call."""
-    o = _check_input("o", o, 3, "[T, H, D]")
+    o = check_input("o", o, 3, "[T, H, D]")
     n_tokens, n_heads, head_dim = o.shape
     if head_dim % OUTPUT_BLOCK != 0 or head_dim == 0:
         raise ValueError(
@@ -100,7 +98,7 @@ def check_output_call(
     check_bool("pair_tables", pair_tables)
     cos2d, sin2d = _check_output_tables(cos, sin, o.device, pair_tables)
     check_tables_constant(cos, sin)
-    positions = _check_index("positions", positions, n_tokens, o.device)
+    positions = check_index("positions", positions, n_tokens, o.device)
     if isinstance(groups, bool) or not isinstance(groups, int):
         raise TypeError(f"groups must be an int, got {groups!r} ({type(groups).__name__})")
     if groups < 1 or n_heads % groups != 0:
@@ -110,7 +108,7 @@ def check_output_call(
         )
     check_bool("interleaved", interleaved)
     check_bool("interleaved_out", interleaved_out)
-    _check_not_differentiated(("o", o))
+    check_not_differentiated(("o", o))
     width = n_heads // groups * head_dim
 
     if scale_dtype is not None and not isinstance(scale_dtype, torch.dtype):
@@ -130,7 +128,7 @@ def check_output_call(
         if out.device != o.device:
             raise ValueError(f"out must be on o's device {o.device}, got {out.device}")
         check_last_dim_contiguous("out", out)
-        _check_written("out", out)
+        check_written("out", out)
     if scale_out is not None:
         scale_out = check_tensor("scale_out", scale_out)
         if scale_dtype is not None and scale_out.dtype != scale_dtype:
@@ -165,11 +163,11 @@ def check_output_call(
             )
         if scale_out.device != o.device:
             raise ValueError(f"scale_out must be on o's device {o.device}, got {scale_out.device}")
-        _check_written("scale_out", scale_out)
+        check_written("scale_out", scale_out)
     written = tuple((n, t) for n, t in (("out", out), ("scale_out", scale_out)) if t is not None)
     if written:
         read = (("o", o), ("cos", cos2d), ("sin", sin2d), ("positions", positions))
-        _check_apart(written, read)
+        check_apart(written, read)
     return OutputCall(
         o, cos2d, sin2d, positions, out, scale_out, groups, scale_dtype, interleaved,
         interleaved_out, pair_tables,
