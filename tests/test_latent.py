@@ -625,6 +625,20 @@ def test_vmap_on_the_kernels_is_a_clear_error(device):
         torch.func.vmap(fn)(stacked)
 
 
+def test_vmap_on_the_reference(monkeypatch):
+    """``torch.func.vmap`` without autograd runs the PyTorch reference on the batched tensors:
+    the same bits as one call per sample."""
+    reference_backend(monkeypatch, "cpu")
+    case = Case(layout="thd", tokens=(4,), dtype=torch.float32)
+    ckv, weight, cos, sin, kwargs, *_ = _checked(case, torch.device("cpu"))
+    fn = lambda c: mlarope.rmsnorm_rope_latent(c, weight, cos, sin, **kwargs)
+    stacked = torch.stack((ckv, 2 * ckv, -ckv))
+    latent, k_pe = torch.func.vmap(fn)(stacked)
+    for i, sample in enumerate(stacked):
+        want_latent, want_pe = fn(sample)
+        assert bitwise_equal(latent[i], want_latent) and bitwise_equal(k_pe[i], want_pe)
+
+
 # ------------------------------------------------------------------------------ compile
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_compile_fullgraph(grad, device):
