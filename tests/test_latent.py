@@ -274,6 +274,25 @@ def test_backends_agree_bitwise(dtype, device, monkeypatch):
         assert bitwise_equal(got, want)
 
 
+def test_backend_choice_is_the_other_ops(monkeypatch, device):
+    """The op takes its backend from ``ops.use_triton``, as the other ops do, so that choosing
+    the reference (``tests.harness.reference_backend``, on the GPU lane too) chooses it here."""
+    from mlarope import ops
+    from mlarope.kernels import latent as kernels
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kernels ran")
+
+    monkeypatch.setattr(ops, "use_triton", lambda t: False)
+    monkeypatch.setattr(kernels, "latent_launch", refuse)
+    monkeypatch.setattr(kernels, "latent_backward_launch", refuse)
+    case = Case(layout="thd", tokens=(4,))
+    ckv, weight, cos, sin, kwargs, *_ = _checked(case, device)
+    x = ckv.detach().requires_grad_(True)
+    latent, k_pe = mlarope.rmsnorm_rope_latent(x, weight, cos, sin, **kwargs)
+    (latent.float().sum() + k_pe.float().sum()).backward()
+
+
 def _fused_fma(x, y, z):
     if x.dtype != torch.float32:
         return x * y + z

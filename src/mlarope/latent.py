@@ -30,9 +30,9 @@ from torch import Tensor
 from torch._C import _functorch
 from torch.autograd import forward_ad as _fwad
 
-from . import _checks, reference
+from . import _checks, ops, reference
 from .autograd import _functions, _ready, needs_autograd
-from .ops import compiling, has_memory, search_for_backward, use_triton
+from .ops import compiling, has_memory, search_for_backward
 from .positions import Positions
 
 __all__ = ["LatentCall", "rmsnorm_rope_latent"]
@@ -200,7 +200,7 @@ def _same_table_strides(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
 def latent_forward(ckv: Tensor, weight: Tensor, call: LatentCall) -> tuple[Tensor, Tensor]:
     """``ckv: [tokens..., L + R]``, ``weight: [L]`` -> new contiguous ``latent: [tokens..., L]``
     (``promote(weight.dtype, ckv.dtype)``) and ``k_pe: [tokens..., R]`` (``ckv.dtype``)."""
-    if not use_triton(ckv):
+    if not ops.use_triton(ckv):  # looked up on ops: one backend choice for every op
         return reference.rmsnorm_rope_latent(
             ckv, weight, call.cos, call.sin, call.positions(), eps=call.eps,
             interleaved_in=call.interleaved_in, interleaved_out=call.interleaved_out,
@@ -229,7 +229,7 @@ def latent_backward(
     """``g_latent: [tokens..., L]``, ``g_pe: [tokens..., R]`` -> ``d_ckv: [tokens..., L + R]``
     (contiguous, ``ckv.dtype``) and ``d_weight: [L]`` (``weight.dtype``), or an empty tensor in
     its place unless ``weight_grad``."""
-    if not use_triton(ckv):
+    if not ops.use_triton(ckv):  # looked up on ops: one backend choice for every op
         d_ckv, d_weight = reference.rmsnorm_rope_latent_backward(
             g_latent, g_pe, ckv, weight, call.cos, call.sin, call.positions(), eps=call.eps,
             interleaved_in=call.interleaved_in, interleaved_out=call.interleaved_out,
