@@ -193,6 +193,47 @@ def test_no_tokens(device):
     assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
 
 
+ROTATION_CASES = [
+    dict(layout="sbhd", tokens=(5, 2)),
+    dict(layout="bshd", tokens=(2, 5), interleaved=False, interleaved_out=True),
+    dict(layout="thd", tokens=(15,), cu_seqlens=[0, 3, 3, 4, 13]),
+    dict(layout="thd", tokens=(9,), cu_seqlens=[0, 4, 4, 16], cp_size=2, cp_rank=1),
+    dict(layout="sbhd", tokens=(4, 2), cp_size=2, cp_rank=0, interleaved_out=True),
+    dict(layout="bshd", tokens=(2, 4), position_ids=[[0, 9, 3, 70], [1, 1, 2, 63]]),
+]
+
+
+@pytest.mark.parametrize("spec", ROTATION_CASES, ids=[str(i) for i in range(len(ROTATION_CASES))])
+def test_k_pe_is_the_query_ops_rotation(spec, device):
+    """Every position source (context parallel included): ``k_pe`` and its gradient are
+    :func:`mlarope.apply_rope_q`'s rotation of ``ckv[..., L:]`` as a one-head query, bit for
+    bit, and the latent does not depend on the positions."""
+    spec = dict(spec)
+    tokens = spec.pop("tokens")
+    for name in ("cu_seqlens", "position_ids"):
+        if name in spec:
+            spec[name] = torch.tensor(spec[name], device=device)
+    n_latent, rope = 32, 64
+    ckv = torch.randn(*tokens, n_latent + rope, device=device).to(torch.bfloat16)
+    weight = torch.randn(n_latent, device=device).to(torch.bfloat16)
+    cos, sin = random_tables(64, rope, torch.float32, device)
+    g_pe = torch.randn(*tokens, rope, device=device).to(torch.bfloat16)
+    x = ckv.detach().requires_grad_(True)
+    latent, k_pe = mlarope.rmsnorm_rope_latent(
+        x, weight, cos, sin, kv_lora_rank=n_latent, eps=1e-6, **spec
+    )
+    torch.autograd.backward((latent, k_pe), (torch.zeros_like(latent), g_pe))
+    q = ckv[..., n_latent:].detach().unsqueeze(-2).requires_grad_(True)
+    want = mlarope.apply_rope_q(q, cos, sin, **spec)
+    want.backward(g_pe.unsqueeze(-2))
+    assert bitwise_equal(k_pe, want.squeeze(-2))
+    assert bitwise_equal(x.grad[..., n_latent:], q.grad.squeeze(-2))
+    plain, _ = mlarope.rmsnorm_rope_latent(
+        ckv, weight, cos, sin, kv_lora_rank=n_latent, eps=1e-6, layout=spec["layout"]
+    )
+    assert bitwise_equal(latent, plain)
+
+
 def test_padding_tokens_pass_through(device):
     """thd tokens past ``cu_seqlens[-1]``: ``k_pe`` re-laid out, not rotated; the latent is
     normalized as any other row."""
