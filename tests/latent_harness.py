@@ -6,20 +6,21 @@ Shapes (``tokens...`` is ``[S, B]`` for sbhd, ``[B, S]`` for bshd, ``[T]`` for t
 ``ckv: [tokens..., L + R]``, ``weight: [L]``, ``latent: [tokens..., L]``, ``k_pe: [tokens..., R]``.
 
 The error model of the RMSNorm (docs/semantics.md). ``h = x * r`` with ``r = 1 / sqrt(var + eps)``
-is computed in fp32: the sum of ``P`` (``L`` padded to a power of two) non-negative squares in a
-tree of depth ``log2 P`` (each level, and the products, within one unit ``u = 2**-24``
-relatively), the division by ``L``, the addition of ``eps``, the square root (which halves a
-relative error), the reciprocal and the product ``x * r`` add one unit each; so ``h`` is within
-``E * |h|`` of the exact value, ``E = (log2 P + 8) u`` (generous by a few units). ``h`` rounded
-to the input dtype (one ulp), times the weight in fp32 (one unit), rounded to the latent's dtype
-(one ulp). The backward ``dx = r * (dh - h_hat * m)``, ``m = sum(dh * h_hat) / L``: the errors
-of ``r``, ``h_hat``, ``dh`` and the sum's, each a few ``E`` relative to the terms they multiply,
-``r * ((|dh| + |h_hat m|) * 3E + |h_hat| * mean(|dh h_hat|) * 2E)``, then one ulp. The weight's
-gradient: every product and addition of ``_latent_order``'s order within one unit of the sum of
-``|g h_r|`` per level, plus ``h_r``'s own error per term (``E |h|`` in fp32; in 16 bits none
-unless ``h`` lies within ``E |h|`` of a rounding tie, then one ulp), then one ulp of the
-weight's dtype. Another implementation of the same function (transformers' module) sums in an
-order of its own: any order of ``n`` terms is within ``(n - 1) u`` relatively.
+is computed in fp32 from an exact sum of squares (``_latent_sums``: within ``2**-40`` of the
+exact value, relatively), divided by ``L`` in float64 and rounded to fp32 (one unit
+``u = 2**-24``), then the addition of ``eps``, the square root (which halves a relative error),
+the reciprocal and the product ``x * r``, one unit each: ``h`` is within ``E * |h|`` of the
+exact value, ``E = 8u`` (generous by a few units). ``h`` rounded to the input dtype (one ulp),
+times the weight in fp32 (one unit), rounded to the latent's dtype (one ulp). The backward
+``dx = r * (dh - h_hat * m)``, ``m = sum(dh * h_hat) / L`` (the sum exact, then one unit): the
+errors of ``r``, ``h_hat``, ``dh`` and ``m``, each a few ``E`` relative to the terms they
+multiply, ``r * ((|dh| + |h_hat m|) * 3E + |h_hat| * mean(|dh h_hat|) * 2E)``, then one ulp.
+The weight's gradient: the exact tile sums, their float64 sum and its rounding to an fp32
+partial (one unit of the sum of ``|g h_r|``), the exact sum of the partials and its rounding to
+fp32 (one more), plus ``h_r``'s own error per term (``E |h|`` in fp32; in 16 bits none unless
+``h`` lies within ``E |h|`` of a rounding tie, then one ulp), then one ulp of the weight's
+dtype. Another implementation of the same function (transformers' module) sums in an order of
+its own: any order of ``n`` terms is within ``(n - 1) u`` relatively.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlarope import _latent_order, reference
+from mlarope import reference
 from mlarope.latent import check_latent_call
 from tests.errmodel import U32, poisoned_like, rope_tolerance, ulp
 from tests.harness import random_tables
@@ -144,8 +145,7 @@ def launch_backward(g_latent, g_pe, ckv, weight, cos2d, sin2d, positions, case: 
 def norm_units(n_latent: int, extra_order: int = 0) -> float:
     """``E``: the relative error of fp32 ``h`` and ``r`` (module docstring); ``extra_order``:
     an implementation whose sum is in an unknown order (``L - 1`` units for any order)."""
-    depth = math.log2(_latent_order.padded_width(n_latent))
-    return (depth + 8 + extra_order) * U32
+    return (8 + extra_order) * U32
 
 
 def exact_norm(ckv: torch.Tensor, n_latent: int, eps: float):
@@ -214,19 +214,8 @@ def _tie_flips(h: torch.Tensor, dtype: torch.dtype, units: float) -> torch.Tenso
     return (up - down).abs()
 
 
-def weight_sum_levels(n_tokens: int) -> int:
-    """The rounding steps a term of the weight's gradient passes through (``_latent_order``):
-    its product, the tile's tree, the tiles added in turn, the chunk's tree, the chunks in turn."""
-    n_partials = -(-n_tokens // _latent_order.TOKENS_PER_PARTIAL)
-    n_chunks = -(-n_partials // _latent_order.PARTIALS_PER_CHUNK)
-    return (
-        1
-        + int(math.log2(_latent_order.TILE_TOKENS))
-        + _latent_order.TILES_PER_PARTIAL
-        - 1
-        + int(math.log2(_latent_order.PARTIALS_PER_CHUNK))
-        + n_chunks
-    )
+# The weight gradient's roundings relative to the sum of |g h_r| (module docstring), generously.
+WEIGHT_SUM_UNITS = 3
 
 
 def backward_truth(g_latent, g_pe, ckv, weight, cos2d, sin2d, positions, case: Case):
@@ -246,7 +235,7 @@ def backward_truth(g_latent, g_pe, ckv, weight, cos2d, sin2d, positions, case: C
 def weight_truth(g_latent, h, weight, in_dtype, units, term_rel=0.0, levels=None):
     """``sum_t g * h_r`` in fp64 with ``h_r = round(h*, in_dtype)`` and its tolerance;
     ``term_rel``: another implementation's relative error per product (transformers' rounded
-    product), ``levels``: its summation's depth (default ours)."""
+    product), ``levels``: its summation's units (default ours)."""
     L = h.shape[-1]
     g = g_latent.double().reshape(-1, L)
     h = h.reshape(-1, L)
@@ -255,6 +244,6 @@ def weight_truth(g_latent, h, weight, in_dtype, units, term_rel=0.0, levels=None
     truth = (g * h_r).sum(0)
     h_error = h.abs() * units if unrounded else _tie_flips(h, in_dtype, units)
     per_term = g.abs() * h_error
-    levels = weight_sum_levels(g.shape[0]) if levels is None else levels
+    levels = WEIGHT_SUM_UNITS if levels is None else levels
     arith = per_term.sum(0) + (levels * U32 + term_rel) * (g * h_r).abs().sum(0)
     return truth, arith + ulp(truth.abs() + arith, weight.dtype)

@@ -187,6 +187,7 @@ API_ROWS = {
     "apply_rope_q": mlarope.apply_rope_q,
     "apply_rope_kv": mlarope.apply_rope_kv,
     "apply_rope_qk": mlarope.apply_rope_qk,
+    "rmsnorm_rope_latent": mlarope.rmsnorm_rope_latent,
     "YarnConfig": mlarope.YarnConfig,
     "mlarope.serving.rope_append_kv_cache": mlarope.serving.rope_append_kv_cache,
     "mlarope.serving.rope_decode_query": mlarope.serving.rope_decode_query,

@@ -14,8 +14,9 @@ whose schemas come from the record; eager calls run the backend directly.
 Derivatives: the first-order backward is the backward kernel (one launch for ``d_ckv``, one
 for the weight's gradient); a backward that must itself be differentiable
 (``create_graph=True``, ``torch.func``) and forward-mode AD run the reference's backward and
-tangent formulas in plain PyTorch (``reference.rmsnorm_rope_latent_backward`` / ``_jvp``), which
-autograd differentiates to any order (docs/semantics.md).
+tangent formulas in plain PyTorch with PyTorch's own sums
+(``reference.rmsnorm_rope_latent_backward(..., exact=False)`` / ``_jvp``), which autograd
+differentiates to any order (docs/semantics.md).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from torch import Tensor
 from torch._C import _functorch
 from torch.autograd import forward_ad as _fwad
 
-from . import _checks, reference
+from . import _checks, ops, reference
 from .autograd import _functions, _ready, needs_autograd
-from .ops import compiling, has_memory, search_for_backward, use_triton
+from .ops import compiling, has_memory, search_for_backward
 from .positions import Positions
 
 __all__ = ["LatentCall", "rmsnorm_rope_latent"]
@@ -199,7 +200,7 @@ def _same_table_strides(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
 def latent_forward(ckv: Tensor, weight: Tensor, call: LatentCall) -> tuple[Tensor, Tensor]:
     """``ckv: [tokens..., L + R]``, ``weight: [L]`` -> new contiguous ``latent: [tokens..., L]``
     (``promote(weight.dtype, ckv.dtype)``) and ``k_pe: [tokens..., R]`` (``ckv.dtype``)."""
-    if not use_triton(ckv):
+    if not ops.use_triton(ckv):  # looked up on ops: one backend choice for every op
         return reference.rmsnorm_rope_latent(
             ckv, weight, call.cos, call.sin, call.positions(), eps=call.eps,
             interleaved_in=call.interleaved_in, interleaved_out=call.interleaved_out,
@@ -228,7 +229,7 @@ def latent_backward(
     """``g_latent: [tokens..., L]``, ``g_pe: [tokens..., R]`` -> ``d_ckv: [tokens..., L + R]``
     (contiguous, ``ckv.dtype``) and ``d_weight: [L]`` (``weight.dtype``), or an empty tensor in
     its place unless ``weight_grad``."""
-    if not use_triton(ckv):
+    if not ops.use_triton(ckv):  # looked up on ops: one backend choice for every op
         d_ckv, d_weight = reference.rmsnorm_rope_latent_backward(
             g_latent, g_pe, ckv, weight, call.cos, call.sin, call.positions(), eps=call.eps,
             interleaved_in=call.interleaved_in, interleaved_out=call.interleaved_out,
@@ -334,13 +335,13 @@ def _backward(ctx, g_latent, g_pe):
     ckv, weight, call = _saved(ctx)
     weight_grad = ctx.needs_input_grad[1]
     if not compiling() and torch.is_grad_enabled():
-        # A backward with a graph (create_graph=True, torch.func): the reference's formulas,
-        # which autograd differentiates (the same values on the PyTorch backend; on the kernels
-        # the same up to the fused multiply-adds' roundings).
+        # A backward with a graph (create_graph=True, torch.func): the reference's formulas
+        # with PyTorch's own sums, which autograd differentiates (the same values as the
+        # kernels' backward up to the sums' and fused multiply-adds' last bits).
         d_ckv, d_weight = reference.rmsnorm_rope_latent_backward(
             g_latent, g_pe, ckv, weight, call.cos, call.sin, call.positions(), eps=call.eps,
             interleaved_in=call.interleaved_in, interleaved_out=call.interleaved_out,
-            weight_grad=weight_grad,
+            weight_grad=weight_grad, exact=False,
         )  # fmt: skip
         return d_ckv, d_weight, *_NO_GRADS
     d_ckv, d_weight = run_backward(
@@ -410,8 +411,9 @@ def rmsnorm_rope_latent(
     ``ckv[..., L:]``), with that module's roundings: in fp32, ``h = x / sqrt(mean(x * x) + eps)``
     rounded once to ``ckv.dtype``, then ``weight * h`` in PyTorch's type promotion (bf16 weight
     and input: a bf16 latent; an fp32 weight: an fp32 latent); ``k_pe`` rotated in fp32 with the
-    fp32 tables and rounded once, as :func:`mlarope.apply_rope_q` rotates. The mean's sum runs
-    in a fixed order (docs/semantics.md), so the results are bitwise deterministic.
+    fp32 tables and rounded once, as :func:`mlarope.apply_rope_q` rotates. Its sums are exact
+    up to a quantum far below fp32's (docs/semantics.md), so the results are bitwise identical
+    across runs, launch configurations and backends.
 
     Args:
         ckv: ``[S, B, L + R]`` (sbhd), ``[B, S, L + R]`` (bshd) or ``[T, L + R]`` (thd); last
@@ -432,7 +434,7 @@ def rmsnorm_rope_latent(
             transformers' rotary functions do).
 
     Differentiable in ``ckv`` and ``weight``: backward (the backward kernel writes ``d_ckv``
-    ``[..., L + R]`` in one buffer; ``d_weight`` is a fixed-order sum over tokens, rounded once
+    ``[..., L + R]`` in one buffer; ``d_weight`` is an exact sum over tokens, rounded once
     to ``weight.dtype``), double backward and forward-mode AD (through the reference's formulas
     in PyTorch), ``torch.func`` (not ``vmap`` on the kernels) and
     ``torch.compile(fullgraph=True)``. The tables are constants, as for the other ops.

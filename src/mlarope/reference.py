@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _latent_order
+from . import _checks, _latent_sums
 from .positions import Positions, token_positions
 
 
@@ -328,17 +328,13 @@ def apply_rope_kv(
 
 
 # --------------------------------------------------------------------------- the latent op
-def _normalized(
-    x: torch.Tensor, eps: float, input_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm's pieces of ``x: [tokens..., L]`` (compute dtype): ``r = 1 / sqrt(var + eps)``
-    ``[tokens...]`` with ``var = sum(x * x) / L`` (``_latent_order.row_sum_of_products``),
-    ``h_hat = x * r`` and ``h_r``, ``h_hat`` rounded to ``input_dtype`` (back in the compute
-    dtype)."""
-    var = _latent_order.row_sum_of_products(x, x) / x.shape[-1]
-    r = _reciprocal_sqrt(var + eps)
-    h_hat = x * r[..., None]
-    return r, h_hat, h_hat.to(input_dtype).to(x.dtype)
+def _mean_of_products(a: torch.Tensor, b: torch.Tensor, exact: bool) -> torch.Tensor:
+    """``sum_c a * b / L`` over the last dim: fp32 ``a, b`` with ``exact``, the kernels' exact
+    sum (``_latent_sums``), divided in float64 and rounded once to fp32; otherwise (float64, or
+    the differentiable formulas) PyTorch's own sum in the compute dtype."""
+    if exact and a.dtype == torch.float32:
+        return (_latent_sums.row_sum_of_products(a, b) / a.shape[-1]).float()
+    return (a * b).sum(-1) / a.shape[-1]
 
 
 def _reciprocal_sqrt(v: torch.Tensor) -> torch.Tensor:
@@ -353,9 +349,34 @@ def _reciprocal_sqrt(v: torch.Tensor) -> torch.Tensor:
     return (1.0 / root.double()).to(v.dtype)
 
 
+def _normalized(
+    x: torch.Tensor, eps: float, input_dtype: torch.dtype, exact: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm's pieces of ``x: [tokens..., L]`` (compute dtype): ``r = 1 / sqrt(var + eps)``
+    ``[tokens...]`` with ``var = sum(x * x) / L``, ``h_hat = x * r`` and ``h_r``, ``h_hat``
+    rounded to ``input_dtype`` (back in the compute dtype)."""
+    r = _reciprocal_sqrt(_mean_of_products(x, x, exact) + eps)
+    h_hat = x * r[..., None]
+    return r, h_hat, h_hat.to(input_dtype).to(x.dtype)
+
+
 def latent_dtype(ckv_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
     """The latent's dtype: PyTorch's promotion of ``weight * h.to(ckv.dtype)``."""
     return torch.promote_types(weight_dtype, ckv_dtype)
+
+
+def _rotate_k_pe(x, cos, sin, positions, interleaved_in, interleaved_out, transpose):
+    """``x: [tokens..., R]`` rotated (or transpose-rotated), rounded once to its dtype."""
+    dtype = compute_dtype(x.dtype)
+    cos_rows, sin_rows, is_padding, in_range = _tables_for(
+        positions, x.shape[:-1], cos, sin, dtype, x.device
+    )
+    rotated = rotate_pairs(
+        x.unsqueeze(-2).to(dtype), cos_rows, sin_rows, is_padding, in_range,
+        interleaved_in=interleaved_in, interleaved_out=interleaved_out, inverse=False,
+        transpose=transpose,
+    )  # fmt: skip
+    return canonical_nan(rotated.squeeze(-2).to(x.dtype))
 
 
 def rmsnorm_rope_latent(
@@ -374,33 +395,20 @@ def rmsnorm_rope_latent(
     ``k_pe: [tokens..., R]``.
 
     ``latent`` is transformers' ``DeepseekV3RMSNorm`` of ``x = ckv[..., :L]``, rounded where that
-    module rounds: in fp32, ``var = sum(x * x) / L`` (in ``_latent_order``'s order),
-    ``h = x * (1 / sqrt(var + eps))`` rounded once to ``ckv.dtype``, then ``weight * h`` in
-    PyTorch's promotion (an fp32 product rounded once to ``promote(weight.dtype, ckv.dtype)``).
-    ``k_pe`` is ``ckv[..., L:]`` rotated as the query op rotates (fp32, one rounding to
-    ``ckv.dtype``). float64 inputs compute in float64."""
+    module rounds: in fp32, ``var = sum(x * x) / L`` (the sum exact, ``_latent_sums``; the
+    division in float64, rounded once to fp32), ``h = x * (1 / sqrt(var + eps))`` (each step
+    correctly rounded) rounded once to ``ckv.dtype``, then ``weight * h`` in PyTorch's promotion
+    (an fp32 product rounded once to ``promote(weight.dtype, ckv.dtype)``). ``k_pe`` is
+    ``ckv[..., L:]`` rotated as the query op rotates (fp32, one rounding to ``ckv.dtype``).
+    float64 inputs compute in float64 with PyTorch's sums."""
     n_latent = weight.shape[0]
     dtype = compute_dtype(ckv.dtype)
-    _, _, h_r = _normalized(ckv[..., :n_latent].to(dtype), eps, ckv.dtype)
+    _, _, h_r = _normalized(ckv[..., :n_latent].to(dtype), eps, ckv.dtype, True)
     out_dtype = latent_dtype(ckv.dtype, weight.dtype)
     latent = canonical_nan((weight.to(dtype) * h_r).to(out_dtype))
     return latent, _rotate_k_pe(
         ckv[..., n_latent:], cos, sin, positions, interleaved_in, interleaved_out, False
     )
-
-
-def _rotate_k_pe(x, cos, sin, positions, interleaved_in, interleaved_out, transpose):
-    """``x: [tokens..., R]`` rotated (or transpose-rotated), rounded once to its dtype."""
-    dtype = compute_dtype(x.dtype)
-    cos_rows, sin_rows, is_padding, in_range = _tables_for(
-        positions, x.shape[:-1], cos, sin, dtype, x.device
-    )
-    rotated = rotate_pairs(
-        x.unsqueeze(-2).to(dtype), cos_rows, sin_rows, is_padding, in_range,
-        interleaved_in=interleaved_in, interleaved_out=interleaved_out, inverse=False,
-        transpose=transpose,
-    )  # fmt: skip
-    return canonical_nan(rotated.squeeze(-2).to(x.dtype))
 
 
 def rmsnorm_rope_latent_backward(
@@ -416,6 +424,7 @@ def rmsnorm_rope_latent_backward(
     interleaved_in: bool,
     interleaved_out: bool,
     weight_grad: bool = True,
+    exact: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The latent op's backward: ``g_latent: [tokens..., L]``, ``g_pe: [tokens..., R]`` (and the
     forward's ``ckv``, ``weight``) -> ``d_ckv: [tokens..., L + R]`` (``ckv.dtype``) and
@@ -423,26 +432,30 @@ def rmsnorm_rope_latent_backward(
 
     In the compute dtype, with ``r``, ``h_hat = x * r`` and ``h_r`` recomputed from ``x`` as the
     forward computes them: ``dh = g * weight``, ``dx = r * (dh - h_hat * m)`` with
-    ``m = sum(dh * h_hat) / L`` (``_latent_order.row_sum_of_products``, the subtraction one
-    ``fma``), rounded once to ``ckv.dtype``; ``d_weight = sum_t g * h_r``
-    (``_latent_order.token_sum_of_products``), rounded once to ``weight.dtype``; the rope part
+    ``m = sum(dh * h_hat) / L`` (the sum exact, as the variance's) and the subtraction one
+    ``fma``, rounded once to ``ckv.dtype``; ``d_weight = sum_t g * h_r`` in
+    ``_latent_sums.token_sum_of_products``'s way, rounded once to ``weight.dtype``; the rope part
     is the transpose rotation of ``g_pe``, written in ``ckv``'s pair layout. The rounding of
-    ``h`` to ``ckv.dtype`` passes the gradient through, as autograd's cast does. Plain
-    differentiable PyTorch: the op's double backward differentiates this."""
+    ``h`` to ``ckv.dtype`` passes the gradient through, as autograd's cast does.
+
+    ``exact=False``: PyTorch's own sums instead of the exact ones, differentiable by autograd
+    (the op's double backward differentiates this); float64 always computes so."""
     n_latent = weight.shape[0]
     dtype = compute_dtype(ckv.dtype)
-    r, h_hat, h_r = _normalized(ckv[..., :n_latent].to(dtype), eps, ckv.dtype)
+    r, h_hat, h_r = _normalized(ckv[..., :n_latent].to(dtype), eps, ckv.dtype, exact)
     g = g_latent.to(dtype)
     dh = g * weight.to(dtype)
-    m = _latent_order.row_sum_of_products(dh, h_hat) / n_latent
-    dx = r[..., None] * _latent_order.fma(-h_hat, m[..., None], dh)
+    m = _mean_of_products(dh, h_hat, exact)
+    dx = r[..., None] * _latent_sums.fma(-h_hat, m[..., None], dh)
     d_pe = _rotate_k_pe(g_pe, cos, sin, positions, interleaved_out, interleaved_in, True)
     d_ckv = torch.cat((canonical_nan(dx.to(ckv.dtype)), d_pe.to(ckv.dtype)), dim=-1)
     if not weight_grad:
         return d_ckv, None
-    d_weight = _latent_order.token_sum_of_products(
-        g.reshape(-1, n_latent), h_r.reshape(-1, n_latent)
-    )
+    g2d, h2d = g.reshape(-1, n_latent), h_r.reshape(-1, n_latent)
+    if exact and dtype == torch.float32:
+        d_weight = _latent_sums.token_sum_of_products(g2d, h2d)
+    else:
+        d_weight = (g2d * h2d).sum(0)
     return d_ckv, canonical_nan(d_weight.to(weight.dtype))
 
 
@@ -463,13 +476,13 @@ def rmsnorm_rope_latent_jvp(
     ``t_weight`` of ``weight``: ``t_latent = weight * t_h + t_weight * h_r`` with
     ``t_h = r * (t_x - h_hat * sum(t_x * h_hat) / L)`` (RMSNorm's Jacobian is symmetric: the
     backward's formula), and ``t_pe``, the rotation of ``t_ckv[..., L:]``. Plain differentiable
-    PyTorch, in the compute dtype, rounded once to the outputs' dtypes."""
+    PyTorch (its own sums), in the compute dtype, rounded once to the outputs' dtypes."""
     n_latent = weight.shape[0]
     dtype = compute_dtype(ckv.dtype)
-    r, h_hat, h_r = _normalized(ckv[..., :n_latent].to(dtype), eps, ckv.dtype)
+    r, h_hat, h_r = _normalized(ckv[..., :n_latent].to(dtype), eps, ckv.dtype, False)
     t_x = t_ckv[..., :n_latent].to(dtype)
-    m = _latent_order.row_sum_of_products(t_x, h_hat) / n_latent
-    t_h = r[..., None] * _latent_order.fma(-h_hat, m[..., None], t_x)
+    m = _mean_of_products(t_x, h_hat, False)
+    t_h = r[..., None] * _latent_sums.fma(-h_hat, m[..., None], t_x)
     t_latent = weight.to(dtype) * t_h + t_weight.to(dtype) * h_r
     out_dtype = latent_dtype(ckv.dtype, weight.dtype)
     t_pe = _rotate_k_pe(

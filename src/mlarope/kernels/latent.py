@@ -2,23 +2,22 @@
 the latent and the rotation of ``k_pe``, both read from ``kv_a_proj_with_mqa``'s output once.
 
 Forward: one program owns ``BLOCK_T`` tokens with their whole latent row in registers
-(``BLOCK_L``, the power of two ``>= L``, masked). It sums the squares in the fixed order of
-``_latent_order`` (the same bits for every ``BLOCK_T`` and warp count), normalizes, rounds the
-normalized value to ``ckv``'s dtype, multiplies by the weight in fp32 and stores the latent
-rounded once; it rotates the tokens' ``k_pe`` as the query op does.
+(``BLOCK_L``, the power of two ``>= L``, masked). It sums the squares exactly
+(``_latent_sums``: integers in any order, so the same bits for every ``BLOCK_T`` and warp
+count), normalizes, rounds the normalized value to ``ckv``'s dtype, multiplies by the weight in
+fp32 and stores the latent rounded once; it rotates the tokens' ``k_pe`` as the query op does.
 
 Backward, two launches: the first owns ``TOKENS_PER_PARTIAL`` tokens per program, in tiles of
 ``TILE_TOKENS``. Per tile it recomputes ``r = 1 / sqrt(var + eps)`` from ``x`` (the same bits
 as the forward: nothing is saved but ``ckv`` itself), writes ``d_ckv``'s latent part
 ``r * (dh - h_hat * m)`` and its rope part (the transpose rotation) into one buffer, and adds
-the tile's ``sum_t g * h_r`` to the program's fp32 partial of the weight's gradient; the
-partials go to a ``[programs, L]`` fp32 buffer. The second launch sums the partials per channel
-in chunks (``_latent_order``) and rounds once to the weight's dtype. No atomics: the order is
-a function of ``L`` and the token count only, never of a launch configuration.
+the tile's exact ``sum_t g * h_r`` to the program's float64 partial of the weight's gradient;
+the partials go to a ``[programs, L]`` fp32 buffer. The second launch sums the partials per
+channel exactly and rounds once to the weight's dtype. No atomics, and the result depends on
+``L`` and the token count only, never on a launch configuration.
 
-Every product that feeds a sum is an explicit ``tl.fma`` (the first level of each tree, the
-subtraction of the backward): the compiler may not contract a multiply and an add differently
-from one thread layout to another.
+The subtraction of the backward is an explicit ``tl.fma``: the compiler may not contract a
+multiply and an add differently from one thread layout to another.
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._latent_order import PARTIALS_PER_CHUNK, TILE_TOKENS, TILES_PER_PARTIAL, padded_width
+from .._latent_sums import MIN_EXPONENT as _MIN_EXPONENT
+from .._latent_sums import TILE_TOKENS, TILES_PER_PARTIAL, headroom_bits
 from ..positions import Positions
 from ._launch import DirectLauncher
 from ._tiles import cdiv, next_power_of_2, tile_grid
@@ -37,49 +37,60 @@ from ._triton_compat import loop_bound
 from .lookup import VARYING_INTS, position_args, tile_positions
 from .rotation import from_f32, load_table_halves, negate, rotate, round_to_16bit, to_f32
 
-_VARYING = [*VARYING_INTS, "n_latent"]
+_VARYING = VARYING_INTS
+MIN_EXPONENT = tl.constexpr(_MIN_EXPONENT)
 
 
 @triton.jit
-def _row_sums(a, b, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr):
-    """``[ROWS, N]`` x2 -> ``[ROWS]``: ``sum_c a * b`` in ``_latent_order``'s order (adjacent
-    channels: one ``fma``, then adjacent pairs added level after level)."""
-    a0, a1 = tl.split(tl.reshape(a, (ROWS, N // 2, 2)))
-    b0, b1 = tl.split(tl.reshape(b, (ROWS, N // 2, 2)))
-    s = tl.fma(a0, b0, a1 * b1)
-    for i in tl.static_range(1, LOG2_N):
-        p, q = tl.split(tl.reshape(s, (ROWS, N >> (i + 1), 2)))
-        s = p + q
-    return tl.reshape(s, (ROWS,))
+def _power_of_two(exponent):
+    """``2.0 ** exponent`` (int64, in float64's normal range) as float64, exactly."""
+    return ((exponent + 1023) << 52).to(tl.float64, bitcast=True)
 
 
 @triton.jit
-def _halve_rows(s, ROWS: tl.constexpr, N: tl.constexpr):
-    """``[ROWS, N] -> [ROWS / 2, N]``: row ``2i`` plus row ``2i + 1``."""
-    p, q = tl.split(tl.permute(tl.reshape(s, (ROWS // 2, 2, N)), (0, 2, 1)))
-    return p + q
+def _special(flags, value):
+    """``value`` where the terms were finite (``flags`` 0); NaN for a NaN term (4 and over) or
+    infinities of both signs (3), +inf (2) or -inf (1) alone."""
+    value = tl.where(flags == 1, float("-inf"), value)
+    value = tl.where(flags == 2, float("inf"), value)
+    return tl.where(flags >= 3, float("nan"), value)
 
 
 @triton.jit
-def _token_sums(g, h, ROWS: tl.constexpr, LOG2_ROWS: tl.constexpr, N: tl.constexpr):
-    """``[ROWS, N]`` x2 -> ``[N]``: ``sum_t g * h`` over the rows (tokens), in
-    ``_latent_order``'s order (adjacent tokens: one ``fma``, then adjacent pairs)."""
-    g0, g1 = tl.split(tl.permute(tl.reshape(g, (ROWS // 2, 2, N)), (0, 2, 1)))
-    h0, h1 = tl.split(tl.permute(tl.reshape(h, (ROWS // 2, 2, N)), (0, 2, 1)))
-    s = tl.fma(g0, h0, g1 * h1)
-    for i in tl.static_range(1, LOG2_ROWS):
-        s = _halve_rows(s, ROWS >> i, N)
-    return tl.reshape(s, (N,))
+def _kinds(t, AXIS: tl.constexpr):
+    """What non-finite float64 terms ``t`` hold along ``AXIS``, as ``_special`` takes it: 4 for
+    a NaN, 2 for +inf, 1 for -inf, ORed (two max reductions: an OR reduction's combine function
+    is slow under Triton's interpreter)."""
+    nan = t != t
+    up = tl.max(tl.where(nan, 4, tl.where(t == float("inf"), 2, 0)), axis=AXIS)
+    down = tl.max(tl.where(nan, 4, tl.where(t == float("-inf"), 1, 0)), axis=AXIS)
+    return up | down
 
 
 @triton.jit
-def _normalize(x, n_latent, eps, ROWS: tl.constexpr, BLOCK_L: tl.constexpr,
-               LOG2_L: tl.constexpr, IN_DTYPE: tl.constexpr):  # fmt: skip
+def _exact_sum(t, AXIS: tl.constexpr, K: tl.constexpr):
+    """float64 ``t`` summed over ``AXIS`` exactly up to a quantum (``_latent_sums.exact_sum``):
+    every finite term as an int64 number of quanta ``2**(e - K)``, ``e`` from the largest
+    magnitude, added in int64 (in any order: the same bits for every thread layout)."""
+    finite = (t - t) == 0.0
+    magnitude = tl.max(tl.where(finite, tl.abs(t), 0.0), axis=AXIS)
+    exponent = tl.maximum((magnitude.to(tl.int64, bitcast=True) >> 52) - 1022, MIN_EXPONENT)
+    shift = K - exponent
+    quanta = tl.where(finite, t * tl.expand_dims(_power_of_two(shift), AXIS), 0.0)
+    total = tl.sum(quanta.to(tl.int64), axis=AXIS).to(tl.float64) * _power_of_two(-shift)
+    return _special(_kinds(t, AXIS), total)
+
+
+@triton.jit
+def _normalize(x, n_latent, eps, ROWS: tl.constexpr, K_ROW: tl.constexpr,
+               IN_DTYPE: tl.constexpr):  # fmt: skip
     """RMSNorm's pieces of fp32 ``x: [ROWS, BLOCK_L]`` (zero past ``L``): ``r: [ROWS]``,
-    ``h_hat = x * r`` and ``h_r``, ``h_hat`` rounded to ``IN_DTYPE`` (as fp32). Correctly
-    rounded division and square root (``div_rn``, ``sqrt_rn``: the reference's
-    ``reciprocal(sqrt(var + eps))`` on every backend, where ``rsqrt`` would be approximate)."""
-    var = tl.math.div_rn(_row_sums(x, x, ROWS, BLOCK_L, LOG2_L), n_latent.to(tl.float32))
+    ``h_hat = x * r`` and ``h_r``, ``h_hat`` rounded to ``IN_DTYPE`` (as fp32). The variance's
+    sum is exact, divided by ``L`` in float64 and rounded once; then a correctly rounded square
+    root and division (``sqrt_rn``, ``div_rn``: the reference's, where ``rsqrt`` is
+    approximate)."""
+    x64 = x.to(tl.float64)
+    var = (_exact_sum(x64 * x64, 1, K_ROW) / n_latent).to(tl.float32)
     one = tl.full((ROWS,), 1.0, tl.float32)
     r = tl.math.div_rn(one, tl.math.sqrt_rn(var + eps))
     h_hat = x * r[:, None]
@@ -158,7 +169,7 @@ def _latent_fwd_kernel(
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_L: tl.constexpr,
-    LOG2_L: tl.constexpr,
+    K_ROW: tl.constexpr,  # _latent_sums.headroom_bits(L)
     INTERLEAVED_IN: tl.constexpr,
     INTERLEAVED_OUT: tl.constexpr,
 ):  # fmt: skip
@@ -172,7 +183,7 @@ def _latent_fwd_kernel(
     m = m_t[:, None] & m_c[None, :]
     x = to_f32(tl.load(ckv_ptr + row[:, None] + c[None, :], mask=m, other=0.0))
     w = to_f32(tl.load(w_ptr + c, mask=m_c, other=0.0))
-    _, _, h_r = _normalize(x, n_latent, eps, BLOCK_T, BLOCK_L, LOG2_L, ckv_ptr.dtype.element_ty)
+    _, _, h_r = _normalize(x, n_latent, eps, BLOCK_T, K_ROW, ckv_ptr.dtype.element_ty)
     latent = from_f32(w[None, :] * h_r, latent_ptr.dtype.element_ty)
     tl.store(latent_ptr + o_t[:, None] * n_latent + c[None, :], latent, mask=m)
 
@@ -204,22 +215,22 @@ def _latent_bwd_kernel(
     POS_MODE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_L: tl.constexpr,
-    LOG2_L: tl.constexpr,
-    TILE: tl.constexpr,  # _latent_order.TILE_TOKENS
-    LOG2_TILE: tl.constexpr,
-    TILES: tl.constexpr,  # _latent_order.TILES_PER_PARTIAL
+    K_ROW: tl.constexpr,  # _latent_sums.headroom_bits(L)
+    TILE: tl.constexpr,  # _latent_sums.TILE_TOKENS
+    K_TILE: tl.constexpr,  # _latent_sums.headroom_bits(TILE)
+    TILES: tl.constexpr,  # _latent_sums.TILES_PER_PARTIAL
     INTERLEAVED_IN: tl.constexpr,  # ckv's pair layout (d_ckv's rope part is written in it)
     INTERLEAVED_OUT: tl.constexpr,  # k_pe's pair layout (g_pe is read in it)
     WEIGHT_GRAD: tl.constexpr,
 ):  # fmt: skip
-    i_p = tl.program_id(0)
+    i_p = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_L)
     m_c = c < n_latent
     w = to_f32(tl.load(w_ptr + c, mask=m_c, other=0.0))
     width = n_latent + 2 * HALF
-    partial = tl.zeros((BLOCK_L,), dtype=tl.float32)
-    for s in tl.static_range(TILES):
-        o_t = (i_p.to(tl.int64) * TILES + s) * TILE + tl.arange(0, TILE).to(tl.int64)
+    partial = tl.zeros((BLOCK_L,), dtype=tl.float64)
+    for s in range(TILES):
+        o_t = (i_p * TILES + s) * TILE + tl.arange(0, TILE).to(tl.int64)
         m_t = o_t < n_tokens
         i0 = o_t // D1
         i1 = o_t % D1
@@ -228,23 +239,19 @@ def _latent_bwd_kernel(
         x = to_f32(tl.load(ckv_ptr + x_row[:, None] + c[None, :], mask=m, other=0.0))
         g_row = i0 * stride_gl0 + i1 * stride_gl1
         g = to_f32(tl.load(gl_ptr + g_row[:, None] + c[None, :], mask=m, other=0.0))
-        r, h_hat, h_r = _normalize(
-            x, n_latent, eps, TILE, BLOCK_L, LOG2_L, ckv_ptr.dtype.element_ty
-        )
+        r, h_hat, h_r = _normalize(x, n_latent, eps, TILE, K_ROW, ckv_ptr.dtype.element_ty)
         dh = g * w[None, :]
-        mean = tl.math.div_rn(_row_sums(dh, h_hat, TILE, BLOCK_L, LOG2_L), n_latent.to(tl.float32))
+        dot = _exact_sum(dh.to(tl.float64) * h_hat.to(tl.float64), 1, K_ROW)
+        mean = (dot / n_latent).to(tl.float32)
         dx = r[:, None] * tl.fma(negate(h_hat), mean[:, None], dh)
         d_row = o_t * width
         tl.store(
             dckv_ptr + d_row[:, None] + c[None, :], from_f32(dx, dckv_ptr.dtype.element_ty), mask=m
         )
         if WEIGHT_GRAD:
-            # Masked tokens hold g = 0, h_r = 0: the zero padding of _latent_order's tiles.
-            tile = _token_sums(g, h_r, TILE, LOG2_TILE, BLOCK_L)
-            if s == 0:  # noqa: SIM108 (s is a compile-time constant: no select is emitted)
-                partial = tile
-            else:
-                partial = partial + tile
+            # Masked tokens hold g = 0 and x = 0 (so h_r = 0): zero terms, as the padding of
+            # _latent_sums' tiles.
+            partial = partial + _exact_sum(g.to(tl.float64) * h_r.to(tl.float64), 0, K_TILE)
 
         d_a, d_b = _rotated_rows(
             gp_ptr, i0 * stride_gp0 + i1 * stride_gp1, o_t, i0, i1, m_t, cos_ptr, sin_ptr,
@@ -255,57 +262,74 @@ def _latent_bwd_kernel(
         d_b = from_f32(d_b, dckv_ptr.dtype.element_ty)
         _store_pairs(dckv_ptr + n_latent, d_row, m_t, d_a, d_b, HALF, TILE, INTERLEAVED_IN)
     if WEIGHT_GRAD:
-        tl.store(partial_ptr + i_p.to(tl.int64) * n_latent + c, partial, mask=m_c)
+        tl.store(partial_ptr + i_p * n_latent + c, partial.to(tl.float32), mask=m_c)
 
 
-@triton.jit(do_not_specialize=["n_partials"])
+@triton.jit(do_not_specialize=["n_partials", "k_sum"])
 def _weight_grad_kernel(
     partial_ptr,  # [n_partials, L] fp32
     dw_ptr,  # [L]
     n_partials,
     n_latent,
+    k_sum,  # _latent_sums.headroom_bits(n_partials)
     BLOCK_C: tl.constexpr,
-    CHUNK: tl.constexpr,  # _latent_order.PARTIALS_PER_CHUNK
-    LOG2_CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):  # fmt: skip
-    """``dw[c] = sum_p partial[p, c]``: chunks of ``CHUNK`` partials summed as trees (zero
-    padded), the chunk sums added in order to 0; rounded once to ``dw``'s dtype."""
+    """``dw[c] = sum_p partial[p, c]``, exactly (``_latent_sums.exact_sum``) in two passes over
+    the partials, ``BLOCK_P`` rows a step: their largest magnitude, then the int64 sum of their
+    quanta; rounded once to fp32, then to ``dw``'s dtype."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = c < n_latent
-    total = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for p0 in range(0, loop_bound(n_partials), CHUNK):
-        p = p0 + tl.arange(0, CHUNK)
+    magnitude = tl.zeros((BLOCK_C,), dtype=tl.float64)
+    flags = tl.zeros((BLOCK_C,), dtype=tl.int32)
+    for p0 in range(0, loop_bound(n_partials), BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P).to(tl.int64)
         m = (p < n_partials)[:, None] & m_c[None, :]
-        s = tl.load(
-            partial_ptr + p.to(tl.int64)[:, None] * n_latent + c[None, :], mask=m, other=0.0
-        )
-        for i in tl.static_range(LOG2_CHUNK):
-            s = _halve_rows(s, CHUNK >> i, BLOCK_C)
-        total = total + tl.reshape(s, (BLOCK_C,))
-    tl.store(dw_ptr + c, from_f32(total, dw_ptr.dtype.element_ty), mask=m_c)
+        t = tl.load(partial_ptr + p[:, None] * n_latent + c[None, :], mask=m, other=0.0)
+        t = t.to(tl.float64)
+        finite = (t - t) == 0.0
+        magnitude = tl.maximum(magnitude, tl.max(tl.where(finite, tl.abs(t), 0.0), axis=0))
+        flags = flags | _kinds(t, 0)
+    exponent = tl.maximum((magnitude.to(tl.int64, bitcast=True) >> 52) - 1022, MIN_EXPONENT)
+    shift = k_sum - exponent
+    total = tl.zeros((BLOCK_C,), dtype=tl.int64)
+    for p0 in range(0, loop_bound(n_partials), BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P).to(tl.int64)
+        m = (p < n_partials)[:, None] & m_c[None, :]
+        t = tl.load(partial_ptr + p[:, None] * n_latent + c[None, :], mask=m, other=0.0)
+        t = t.to(tl.float64)
+        quanta = tl.where((t - t) == 0.0, t * _power_of_two(shift)[None, :], 0.0)
+        total = total + tl.sum(quanta.to(tl.int64), axis=0)
+    value = _special(flags, total.to(tl.float64) * _power_of_two(-shift))
+    tl.store(dw_ptr + c, from_f32(value.to(tl.float32), dw_ptr.dtype.element_ty), mask=m_c)
 
 
 @dataclass(frozen=True)
 class LatentLaunchConfig:
     """Tiles and warps of the latent op's launches. Any valid config gives bitwise identical
-    results: the sums' order does not depend on it (``_latent_order``)."""
+    results: the sums are exact (``_latent_sums``), whatever order the threads add in."""
 
     block_t: int  # forward: tokens per program
     num_warps: int  # forward
     backward_warps: int
     block_c: int  # the weight-gradient sum: channels per program
+    block_p: int  # ... and partials a step
     sum_warps: int
 
 
 # A whole row per token in registers: about 4,096 fp32 elements per program tile (8 tokens at
-# L = 512) and one warp per 512 of them, 16 a thread per live tile. The backward keeps about six
-# such tiles live (x, g, h_hat, h_r, dh and a product), so a thread's share must stay small to
-# avoid spills. Not yet measured on the H200: heuristics, no autotuning (docs/perf_log.md).
+# L = 512) and one warp per 512 of them, 16 a thread per live tile. The sums convert their
+# terms to float64 and int64 (two registers each), and the backward keeps several tiles live
+# (x, g, h_hat, h_r, dh), so a thread's share must stay small: compiled for sm_90a, the forward
+# tile at 8 warps needs about 100 registers and no spills. Heuristics, not yet measured on the
+# H200 (no autotuning).
 _TILE_ELEMENTS = 4096
 _ELEMENTS_PER_WARP = 512
-# The weight-gradient sum: 32 channels x 64 partials (2,048 elements) per step, 2 warps; L / 32
-# programs (16 at L = 512), each looping over the partials.
+# The weight-gradient sum: 32 channels x 32 partials a step, one warp per 512 elements; L / 32
+# programs (16 at L = 512), each reading the [programs, L] fp32 partials twice (1 MiB at 16,384
+# tokens and L = 512: in L2).
 _SUM_CHANNELS = 32
+_SUM_ROWS = 32
 
 
 def _warps(elements: int) -> int:
@@ -314,7 +338,7 @@ def _warps(elements: int) -> int:
 
 def choose_latent_config(n_tokens: int, n_latent: int) -> LatentLaunchConfig:
     """Heuristic launch configuration (the reasons are in the comments above)."""
-    block_l = padded_width(n_latent)
+    block_l = next_power_of_2(n_latent)
     block_t = min(next_power_of_2(n_tokens), max(1, _TILE_ELEMENTS // block_l))
     block_c = min(_SUM_CHANNELS, block_l)
     return LatentLaunchConfig(
@@ -322,12 +346,9 @@ def choose_latent_config(n_tokens: int, n_latent: int) -> LatentLaunchConfig:
         num_warps=_warps(block_t * block_l),
         backward_warps=_warps(TILE_TOKENS * block_l),
         block_c=block_c,
-        sum_warps=_warps(block_c * PARTIALS_PER_CHUNK),
+        block_p=_SUM_ROWS,
+        sum_warps=_warps(block_c * _SUM_ROWS),
     )
-
-
-def _log2(n: int) -> int:
-    return n.bit_length() - 1
 
 
 def _token_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -358,7 +379,6 @@ def latent_launch(
     if n_tokens == 0:
         return
     config = config or choose_latent_config(n_tokens, n_latent)
-    block_l = padded_width(n_latent)
     grid, _ = tile_grid(n_tokens, config.block_t, 1, 1)
     pos_mode, pos_args = position_args(positions, ckv, (d0, d1))
     _launch_fwd(
@@ -368,8 +388,8 @@ def latent_launch(
         stride_c0, stride_c1,
         cos.stride(0),
         *pos_args,
-        pos_mode, rope_dim // 2, config.block_t, block_l, _log2(block_l),
-        interleaved_in, interleaved_out,
+        pos_mode, rope_dim // 2, config.block_t, next_power_of_2(n_latent),
+        headroom_bits(n_latent), interleaved_in, interleaved_out,
     )  # fmt: skip
 
 
@@ -402,7 +422,6 @@ def latent_backward_launch(
         if weight_grad:
             d_weight.zero_()
         return
-    block_l = padded_width(n_latent)
     grid, _ = tile_grid(n_tokens, TILE_TOKENS * TILES_PER_PARTIAL, 1, 1)
     n_partials = grid[0]
     partials = d_ckv  # a placeholder pointer without WEIGHT_GRAD
@@ -418,14 +437,15 @@ def latent_backward_launch(
         stride_gp0, stride_gp1,
         cos.stride(0),
         *pos_args,
-        pos_mode, rope_dim // 2, block_l, _log2(block_l), TILE_TOKENS, _log2(TILE_TOKENS),
-        TILES_PER_PARTIAL, interleaved_in, interleaved_out, weight_grad,
+        pos_mode, rope_dim // 2, next_power_of_2(n_latent), headroom_bits(n_latent),
+        TILE_TOKENS, headroom_bits(TILE_TOKENS), TILES_PER_PARTIAL, interleaved_in,
+        interleaved_out, weight_grad,
     )  # fmt: skip
     if weight_grad:
         _launch_sum(
             (cdiv(n_latent, config.block_c),), config.sum_warps,
-            partials, d_weight, n_partials, n_latent,
-            config.block_c, PARTIALS_PER_CHUNK, _log2(PARTIALS_PER_CHUNK),
+            partials, d_weight, n_partials, n_latent, headroom_bits(n_partials),
+            config.block_c, config.block_p,
         )  # fmt: skip
 
 
