@@ -43,6 +43,11 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] \
     return "$rc"
   }
   say "making the environment in $VENV (a minute or two)"
+  if [ -e "$VENV" ] && [ ! -e "$STAMP" ] && [ -n "$(ls -A "$VENV" 2>/dev/null)" ]; then
+    # Not one of ours (no stamp): never delete a directory somebody named (MLAROPE_VENV).
+    say "$VENV exists and was not made by this script: remove it or name another directory"
+    exit 1
+  fi
   rm -rf "$VENV"
   python3 -m venv "$VENV"
   say "[1/4] pip"

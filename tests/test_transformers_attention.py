@@ -31,6 +31,8 @@ from tests.test_integration_transformers import BATCH, SEQ, _noise_bounds, _run,
 @pytest.fixture(autouse=True)
 def _revert():
     yield
+    for model in list(mt._ATTENTION_HOLDS):
+        mt.revert_mlarope_attention(model)
     mt.revert_mlarope_all()
 
 
@@ -176,15 +178,85 @@ def test_a_class_that_computes_otherwise_is_not_fused(device):
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
-def test_cache_calls_run_the_attentions_own_forward(device):
-    """Generation with a KV cache: the fused layer hands those calls to its own forward (with
-    the rotary functions patched), and greedy decoding gives the same tokens."""
+def test_decoding_with_a_kv_cache_runs_the_fused_path(device, op_calls):
+    """Generation with a KV cache: the fused layer keeps the latent and the rotated k_pe in the
+    cache, as transformers' does, and makes its key and value from every cached token; greedy
+    decoding gives the same tokens, every step through mlarope's ops."""
     model = _v3_model(device, rope_interleave=True).eval()
     ids = torch.randint(3, 60, (1, 5), device=device)
     greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = model.generate(ids, **greedy)
     mt.apply_mlarope_attention(model)
+    for name in op_calls:
+        op_calls[name] = 0  # the probe's calls
     assert torch.equal(model.generate(ids, **greedy), want)
+    # 4 forwards (the prompt, then 3 decode steps) x 2 layers
+    assert op_calls == {"apply_rope_q": 8, "rmsnorm_rope_latent": 8, "apply_rope_kv": 8}
+
+
+def test_a_layer_with_a_forward_of_its_own_is_not_fused(device):
+    """A layer whose forward somebody wrapped (an instance attribute) is left as it is: the
+    class's verdict does not say what the wrapper computes (found by review: it was fused,
+    and the wrapper's scaling lost)."""
+    model = _v3_model(device, rope_interleave=True)
+    layer = model.model.layers[1].self_attn
+    inner = layer.forward
+
+    def scaled(*args, **kwargs):
+        out, weights = inner(*args, **kwargs)
+        return 1.5 * out, weights
+
+    layer.forward = scaled
+    mt.apply_mlarope_attention(model)
+    assert "_mlarope_unfused_forward" in model.model.layers[0].self_attn.__dict__
+    assert layer.forward is scaled
+    mt.revert_mlarope_attention(model)
+    assert layer.forward is scaled
+
+
+def test_the_probe_runs_in_eval_mode_and_leaves_the_rng(device):
+    """A training model with attention dropout is fused (the probe runs without dropout), is
+    left in training mode, and the global random stream is where it was."""
+    model = _v3_model(device, rope_interleave=True).train()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    state = torch.random.get_rng_state()
+    assert mt.apply_mlarope_attention(model) == {"DeepseekV3Attention": "fused"}
+    assert model.training and torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_fused_model_trains_after_an_inference_mode_forward(device):
+    """The identity tables are never inference tensors (found by review: made first under
+    torch.inference_mode, a later training step could not save them)."""
+    from mlarope.integrations.transformers import _attention
+
+    model = _v3_model(device, rope_interleave=True)
+    mt.apply_mlarope_attention(model)
+    _attention._IDENTITY.clear()
+    ids = torch.randint(3, 60, (1, 6), device=device)
+    with torch.inference_mode():
+        model(ids)
+    model(ids, labels=ids).loss.backward()
+
+
+def test_each_fused_model_holds_the_patch(device):
+    """Two fused models: reverting one leaves the other's rotary functions patched (found by
+    review: the first revert unpatched the family for the whole process)."""
+    first = _v3_model(device, rope_interleave=True)
+    second = _v3_model(device, rope_interleave=True)
+    mt.apply_mlarope_attention(first)
+    mt.apply_mlarope_attention(second)
+    mt.revert_mlarope_attention(first)
+    assert mt.is_mlarope_applied("deepseek_v3")
+    mt.revert_mlarope_attention(second)
+    assert not mt.is_mlarope_applied("deepseek_v3")
+    # a fused model that is freed releases its hold
+    mt.apply_mlarope_attention(first)
+    del first
+    import gc
+
+    gc.collect()
+    assert not mt.is_mlarope_applied("deepseek_v3")
 
 
 def test_a_model_without_mla_attention_is_left_alone():

@@ -408,8 +408,10 @@ def rmsnorm_rope_latent(
 
     Computes what transformers' DeepSeek-V3 attention computes from ``compressed_kv`` (its
     ``kv_a_layernorm``, a ``DeepseekV3RMSNorm``, on ``ckv[..., :L]``, and its rotary function on
-    ``ckv[..., L:]``), with that module's roundings: in fp32, ``h = x / sqrt(mean(x * x) + eps)``
-    rounded once to ``ckv.dtype``, then ``weight * h`` in PyTorch's type promotion (bf16 weight
+    ``ckv[..., L:]``), at that module's rounding points: ``h = x / sqrt(mean(x * x) + eps)``
+    in fp32 (float64 for a float64 ``ckv``; transformers computes ``x * rsqrt(...)``, in fp32
+    even then: the two agree within about an fp32 ulp before the rounding) rounded once to
+    ``ckv.dtype``, then ``weight * h`` in PyTorch's type promotion (bf16 weight
     and input: a bf16 latent; an fp32 weight: an fp32 latent); ``k_pe`` rotated in fp32 with the
     fp32 tables and rounded once, as :func:`mlarope.apply_rope_q` rotates. Its sums are exact
     up to a quantum far below fp32's (docs/semantics.md), so the results are bitwise identical

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -320,31 +322,58 @@ def apply_mlarope_attention(model: torch.nn.Module) -> dict[str, str]:
     attention-level path; docs/transformers.md, "The attention-level path"): the query rotated
     in place in its projection's output, the latent's RMSNorm and ``k_pe``'s rotation in one
     op, the key and value written by the key/value op. Only this model's layers change (their
-    ``forward``); the module-level rotary functions are patched as :func:`apply_mlarope` does,
-    for the calls the fused forward hands back (a KV cache) and the layers it does not fuse.
+    ``forward``). The model's rotary functions are patched too, as in a
+    :func:`mlarope_patched` block held until :func:`revert_mlarope_attention`, for the calls
+    the fused forward hands back to the layer's own (tables that require grad, other
+    arguments) and the layers it does not fuse.
 
     A layer qualifies by its structure (``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
-    ``kv_b_proj``, ``o_proj``, the query's projections, the MLA widths) and by what it
-    computes: once per class, the fused forward is run against the layer's own on a short random
-    input, and a class that differs by more than rounding is left as it is. Idempotent. Undo
-    with :func:`revert_mlarope_attention`.
+    ``kv_b_proj``, ``o_proj``, the query's projections, the MLA widths; no ``forward`` of its
+    own) and by what it computes: the fused forward is run against the layer's own on a short
+    random input (in eval mode, on a forked RNG), once per class and instance settings, and a
+    layer that differs by more than rounding is left as it is. Idempotent. Undo with
+    :func:`revert_mlarope_attention`.
 
     Returns:
         Per attention class with a ``kv_a_proj_with_mqa``: ``"fused"`` or ``"not fused: why"``.
+
+    Raises:
+        TypeError: ``model`` is not a module. ValueError / RuntimeError: as
+            :func:`apply_mlarope`, for a model whose layers are fused (nothing is then fused).
     """
     model = _patch.check_model_type(model, "model")
-    outcome = _attention.fuse(model)
-    if any(v == "fused" for v in outcome.values()):
-        apply_mlarope(model)
-    return outcome
+    with _ATTENTION_LOCK:
+        fused = _attention.fuse(model)
+        if fused and model not in _ATTENTION_HOLDS:
+            try:
+                fams = _select(model, "model")
+                _patch.enter_block(fams)
+            except BaseException:
+                _attention.unfuse(model)
+                raise
+            # Released by revert_mlarope_attention, or when the model is freed.
+            _ATTENTION_HOLDS[model] = weakref.finalize(model, _patch.exit_block, fams)
+    return _attention.outcome(model)
 
 
 def revert_mlarope_attention(model: torch.nn.Module) -> None:
     """Give ``model``'s fused attention layers their own forward back and release
-    :func:`apply_mlarope_attention`'s hold on the rotary functions. Idempotent."""
+    :func:`apply_mlarope_attention`'s hold on its rotary functions (other holders keep theirs).
+    Idempotent."""
     model = _patch.check_model_type(model, "model")
-    if _attention.unfuse(model):
-        revert_mlarope(model)
+    with _ATTENTION_LOCK:
+        _attention.unfuse(model)
+        hold = _ATTENTION_HOLDS.pop(model, None)
+        if hold is not None:
+            hold()  # exit_block, once
+
+
+# The models whose fused layers hold their families' patch (one block each, released by a
+# finalizer: on revert, or when the model is freed), and its lock.
+_ATTENTION_HOLDS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.finalize] = (
+    weakref.WeakKeyDictionary()
+)
+_ATTENTION_LOCK = threading.RLock()
 
 
 def _worth_it(*, include_off_by_default: bool) -> list[_patch.Family]:

@@ -32,6 +32,7 @@ require grad, other shapes or positional arguments) run the attention's own forw
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import types
@@ -44,10 +45,10 @@ import mlarope
 from ._rotation import ROPE_DIMS, _row_ids, _tables
 
 _ORIGINAL = "_mlarope_unfused_forward"  # the forward a fused attention had (bound)
-_OWN = "_mlarope_own_forward"  # an instance-level forward it had (None: its class's)
-# Per attention class and rope layout: whether the fused forward reproduces the class's own
-# (True), or why not.
-_VERDICTS: dict[tuple[type, bool], bool | str] = {}
+_REFUSED = "_mlarope_not_fused"  # why a layer was not fused
+# Per attention class and instance settings (_settings): whether the fused forward reproduces
+# the layer's own (True), or why not.
+_VERDICTS: dict[tuple, bool | str] = {}
 _LOCK = threading.RLock()
 _IDENTITY: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -108,10 +109,13 @@ def _identity(device: torch.device, rope_dim: int) -> tuple[torch.Tensor, torch.
     key = (device, rope_dim)
     found = _IDENTITY.get(key)
     if found is None:
-        found = (
-            torch.ones(1, rope_dim, device=device),
-            torch.zeros(1, rope_dim, device=device),
-        )
+        # Never inference tensors (made under torch.inference_mode, a later training step could
+        # not save them for its backward).
+        with torch.inference_mode(False):
+            found = (
+                torch.ones(1, rope_dim, device=device),
+                torch.zeros(1, rope_dim, device=device),
+            )
         _IDENTITY[key] = found
     return found
 
@@ -141,11 +145,10 @@ def _takes(module, hidden_states, position_embeddings, args, kwargs) -> bool:
     )
 
 
-def fused_forward(module, hidden_states, position_embeddings, attention_mask=None, *args,
-                  **kwargs):  # fmt: skip
+def fused_forward(module, original, hidden_states, position_embeddings, attention_mask=None,
+                  *args, **kwargs):  # fmt: skip
     """The attention's forward with the glue fused (the module docstring); a call it cannot
-    take goes to the attention's own forward."""
-    original = module.__dict__[_ORIGINAL]
+    take goes to ``original``, the attention's own forward."""
     if not _takes(module, hidden_states, position_embeddings, args, kwargs):
         return original(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     cache = kwargs.pop("cache", None)
@@ -207,9 +210,9 @@ def fused_forward(module, hidden_states, position_embeddings, attention_mask=Non
     return module.o_proj(out), weights
 
 
-def _probe(module: torch.nn.Module) -> bool | str:
-    """Run the fused forward against ``module``'s own on a short random input (no gradient):
-    True when they agree within rounding, else why not."""
+def _probe(module: torch.nn.Module, original: Callable) -> bool | str:
+    """Run the fused forward against ``original`` (``module``'s own forward) on a short random
+    input (no gradient): True when they agree within rounding, else why not."""
     param = next(module.parameters())
     dtype, device = param.dtype, param.device
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -220,12 +223,21 @@ def _probe(module: torch.nn.Module) -> bool | str:
     angles = torch.cat((angles, angles), dim=-1)
     # In the layer's dtype, as transformers' rotary embedding hands them over.
     cos, sin = (t.to(device, dtype) for t in (angles.cos(), angles.sin()))
+    # In eval mode (no dropout: both sides must draw nothing at random) and on a forked RNG
+    # (the user's random stream is left as it was).
+    training = module.training
     try:
-        with torch.no_grad():
-            theirs = module.__dict__[_ORIGINAL](x, (cos, sin), None)[0]
-            ours = fused_forward(module, x, (cos, sin), None)[0]
+        module.eval()
+        with (
+            torch.no_grad(),
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        ):
+            theirs = original(x, (cos, sin), None)[0]
+            ours = fused_forward(module, original, x, (cos, sin), None)[0]
     except Exception as e:  # the class's own forward or ours refused the probe: not fused
         return f"the probe raised {type(e).__name__}: {e}"
+    finally:
+        module.train(training)
     if ours.shape != theirs.shape or ours.dtype != theirs.dtype:
         return (
             f"the fused forward gave {tuple(ours.shape)} {ours.dtype}, the attention's own "
@@ -240,34 +252,66 @@ def _probe(module: torch.nn.Module) -> bool | str:
     return True
 
 
-def fuse(model: torch.nn.Module) -> dict[str, str]:
-    """Fuse every DeepSeek-structured MLA attention of ``model``. Returns, per attention class
-    seen, ``"fused"`` or why not."""
-    outcome: dict[str, str] = {}
+def _settings(module: torch.nn.Module) -> tuple:
+    """What the class's forward may read besides the weights: the instance's plain attributes
+    (widths, scales, flags), which of its submodules are None, and the rope layout. Instances
+    that agree on these share the probe's verdict."""
+    plain = (int, float, bool, str, type(None))
+    attrs = tuple(
+        sorted(
+            (k, v)
+            for k, v in vars(module).items()
+            if not k.startswith("_") and isinstance(v, plain)
+        )
+    )
+    absent = tuple(sorted(k for k, v in module._modules.items() if v is None))
+    return (type(module), attrs, absent, _interleaved(module))
+
+
+def fuse(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Fuse every DeepSeek-structured MLA attention of ``model``. Returns the layers it fused
+    now; :func:`outcome` says, per class, what happened."""
+    fused: list[torch.nn.Module] = []
     with _LOCK:
         for module in model.modules():
             if not hasattr(module, "kv_a_proj_with_mqa") or _ORIGINAL in module.__dict__:
-                if _ORIGINAL in module.__dict__:
-                    outcome[type(module).__name__] = "fused"
                 continue
-            name = type(module).__name__
             why = _structure(module)
+            if not why and "forward" in module.__dict__:
+                # Somebody's wrapper: the class's verdict does not say what it computes.
+                why = "the layer has a forward of its own (an instance attribute)"
             if why:
-                outcome[name] = f"not fused: {why}"
+                module.__dict__[_REFUSED] = why
                 continue
-            module.__dict__[_ORIGINAL] = module.forward
-            module.__dict__[_OWN] = module.__dict__.get("forward")  # an instance's own, if any
-            key = (type(module), _interleaved(module))
+            key = _settings(module)
             verdict = _VERDICTS.get(key)
             if verdict is None:
-                verdict = _VERDICTS[key] = _probe(module)
+                verdict = _probe(module, module.forward)
+                if verdict is True or not verdict.startswith("the probe raised"):
+                    _VERDICTS[key] = verdict  # an exception may be the input's: not cached
             if verdict is True:
-                module.forward = types.MethodType(fused_forward, module)
-                outcome[name] = "fused"
+                module.__dict__[_ORIGINAL] = original = module.forward
+                module.forward = functools.partial(fused_forward, module, original)
+                module.__dict__.pop(_REFUSED, None)
+                fused.append(module)
             else:
-                del module.__dict__[_ORIGINAL], module.__dict__[_OWN]
-                outcome[name] = f"not fused: {verdict}"
-    return outcome
+                module.__dict__[_REFUSED] = verdict
+    return fused
+
+
+def outcome(model: torch.nn.Module) -> dict[str, str]:
+    """Per attention class of ``model`` (one with a ``kv_a_proj_with_mqa``): ``"fused"`` or
+    ``"not fused: why"``."""
+    found: dict[str, str] = {}
+    for module in model.modules():
+        if not hasattr(module, "kv_a_proj_with_mqa"):
+            continue
+        name = type(module).__name__
+        if _ORIGINAL in module.__dict__:
+            found[name] = "fused"
+        else:
+            found.setdefault(name, f"not fused: {module.__dict__.get(_REFUSED, 'not asked')}")
+    return found
 
 
 def unfuse(model: torch.nn.Module) -> int:
@@ -275,12 +319,9 @@ def unfuse(model: torch.nn.Module) -> int:
     count = 0
     with _LOCK:
         for module in model.modules():
+            module.__dict__.pop(_REFUSED, None)
             if module.__dict__.pop(_ORIGINAL, None) is None:
                 continue
-            own: Callable | None = module.__dict__.pop(_OWN, None)
-            if own is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.__dict__["forward"] = own
+            module.__dict__.pop("forward", None)  # only a layer whose class forward ran is fused
             count += 1
     return count
