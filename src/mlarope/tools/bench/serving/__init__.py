@@ -32,8 +32,8 @@ What the compiler makes of the serving kernels (no GPU) is
 ``python benchmarks/serving_kernel_report.py``.
 
 The package: ``model`` (cases, bytes model), ``inputs``, ``calls`` (ours, the unfused
-sequence, the comparison), ``flashinfer``, ``sweep``, ``report``, ``run`` (the command and the
-timing of a row).
+sequence, the comparison), ``flashinfer``, ``launch_configs`` (the ``--sweep``), ``report``,
+``run`` (the command and the timing of a row).
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from ..timers import CpuTimer, CudaTimer
 from .calls import compare, ours, unfused
 from .flashinfer import flashinfer_calls, import_flashinfer
 from .inputs import make_inputs
+from .launch_configs import run_decode_sweep, run_sweep
 from .model import CASES, HOST_TARGET_US, OPS_BY_KEY, PREFILL_TARGET, SMOKE_CASES, Dims, bytes_moved
 from .report import Row, markdown_table, run_meta, sweep_table
-from .sweep import run_decode_sweep, run_sweep
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
