@@ -146,7 +146,7 @@ def test_normalized_value_rounded_to_the_input_dtype(dtype, device):
     assert (exact.to(dtype).double() != exact).all(), "the exact values need the rounding"
 
 
-def test_weight_gradient_over_many_tokens(device):
+def test_weight_gradient_over_many_tokens(device, monkeypatch):
     """1,100 tokens: the exact sum of 35 program partials (two steps of the sum's loop), the last
     one partly padding; the fp64 truth, and the reference's bits (no fused multiply-add: bf16
     products are exact)."""
@@ -158,6 +158,9 @@ def test_weight_gradient_over_many_tokens(device):
         g_latent, g_pe, ckv, weight, cos2d, sin2d, positions, case
     )
     assert_close_elementwise(d_weight, w_truth, w_tol, "d_weight over 2,100 tokens")
+    if kernels_fuse(device):  # the reference with the kernels' fused multiply-adds (Triton 3.7+)
+        fused_reference(monkeypatch)
+        monkeypatch.setattr(_latent_sums, "fma", _fused_fma)
     ref_ckv, ref_weight = reference.rmsnorm_rope_latent_backward(
         g_latent, g_pe, ckv, weight, cos2d, sin2d, positions, eps=case.eps,
         interleaved_in=True, interleaved_out=False,
