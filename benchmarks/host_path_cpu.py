@@ -8,7 +8,9 @@ by a no-op and the plan path (signature, lookup, guard, allocation) is timed, be
 of 2,000 calls. A proxy for the host time of the same calls on a GPU machine, minus the launch
 itself: compare two versions by pointing PYTHONPATH at each (docs/perf_log.md, v12). The last
 four rows are an in-place query call with gradients (forward, and forward + backward), on a
-view of a projection's output and on a query that is its own tensor (v15).
+view of a projection's output and on a query that is its own tensor (v15); the three before
+them are thd calls with ``cu_seqlens`` (v18): one query call without gradients, and
+Megatron-Core's pair of calls (the query in place on a view, the key/value op) with gradients.
 """
 
 from __future__ import annotations
@@ -58,7 +60,26 @@ def main() -> None:
         if backward:
             out.backward(g)
 
+    # Megatron-Core's thd batches: cu_seqlens (a search launch, then the rotation), the query
+    # in place on a view of the projection with gradients, the key/value op (perf_log v18).
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    k_pe_leaf = torch.randn(1, 1, 64, requires_grad=True)
+
+    def thd_grad(backward: bool):
+        q = (x * 1.0).view(1, 128, 192)
+        out = mlarope.apply_rope_q(q, cos, sin, inplace=True, layout="thd", cu_seqlens=cu)
+        k, v = mlarope.apply_rope_kv(kv_leaf * 1.0, k_pe_leaf, cos, sin, k_dim=128,
+                                     layout="thd", cu_seqlens=cu)  # fmt: skip
+        if backward:
+            torch.autograd.backward((out, k, v), (g, gk, gv))
+
+    kv_leaf = torch.randn(1, 128, 256, requires_grad=True)
+    gk, gv = torch.randn(1, 128, 192), torch.randn(1, 128, 128)
     calls.update({
+        "apply_rope_q thd cu_seqlens": lambda: mlarope.apply_rope_q(
+            q, cos, sin, layout="thd", cu_seqlens=cu),
+        "thd cu q inpl+kv grad fwd": lambda: thd_grad(False),
+        "thd cu q inpl+kv grad fwd+bwd": lambda: thd_grad(True),
         "q inplace grad, view": lambda: with_grad(False, False),
         "q inplace grad, own tensor": lambda: with_grad(True, False),
         "q inplace fwd+bwd, view": lambda: with_grad(False, True),

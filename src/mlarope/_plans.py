@@ -25,10 +25,16 @@ The kernels see a tensor argument only through its address and dtype (every stri
 integer argument). A launch argument that is a view of an input with the same address (``k_pe``
 without its head dim, the tables as ``[P, R]``, broadcast ``position_ids``) is filled with that
 input; an argument that is an output is filled with the new call's output. A call may make
-several launches (``apply_rope_qk``: two), each replayed in turn. Anything else (a copy, a
-launch that reads another launch's output such as the ``cu_seqlens`` search, no launch at all,
-an input of a tensor subclass or without storage, a layout that is not a str) gets no plan,
-and such calls always take the pipeline.
+several launches (``apply_rope_qk``: two), each replayed in turn. A scratch buffer that one
+launch writes whole and a later one reads (the ``cu_seqlens`` search's positions, declared by
+``kernels._launch.note_scratch``) is allocated anew for each replay, with its recorded shape
+and dtype; a call that needs autograd saves it for its backward, as the pipeline's does. The
+search reads ``cu_seqlens`` on the device only, and its grid and integer arguments follow from
+the tokens and ``cu_seqlens``' length, which the key and the guard hold: so thd calls with
+``cu_seqlens`` (Megatron-Core's packed batches) replay too. Anything else (a copy, a launch
+that reads an output no declared scratch buffer holds, no launch at all, an input of a tensor
+subclass or without storage, a layout that is not a str) gets no plan, and such calls always
+take the pipeline.
 """
 
 from __future__ import annotations
@@ -73,16 +79,17 @@ class Plan:
     None where the call must take the pipeline (an in-place target that now overlaps an
     input it reads: the guard sees each tensor's metadata, not where the tensors lie)."""
 
-    __slots__ = ("apart", "launches", "outputs")
+    __slots__ = ("apart", "launches", "outputs", "scratch")
 
-    def __init__(self, launches: tuple, outputs: tuple, apart: tuple = ()):
+    def __init__(self, launches: tuple, outputs: tuple, apart: tuple = (), scratch: tuple = ()):
         # ((launch, template, slots), ...) in launch order: the template holds the launch
         # arguments with tensors replaced by None, slots (argument index, index into
-        # inputs + outputs).
+        # inputs + outputs + scratch).
         self.launches = launches
         self.outputs = outputs  # shapes of the outputs: contiguous, dtype and device of inputs[0]
         # In place: the target's byte span and, per input it reads, (index, byte span).
         self.apart = apart
+        self.scratch = scratch  # (shape, dtype) of each scratch buffer, on inputs[0]'s device
 
     def fits(self, inputs: tuple[torch.Tensor, ...]) -> bool:
         """Whether these tensors may take the recorded launches: an in-place target must lie
@@ -106,6 +113,8 @@ class Plan:
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Allocate the outputs and make the launches (the caller checked :meth:`fits`)."""
+        if self.scratch:
+            return self.run_keeping_scratch(inputs)[0]
         first = inputs[0]
         outs = [first.new_empty(shape) for shape in self.outputs]
         n_inputs = len(inputs)
@@ -115,6 +124,22 @@ class Plan:
                 args[index] = inputs[source] if source < n_inputs else outs[source - n_inputs]
             launch(args)
         return outs
+
+    def run_keeping_scratch(
+        self, inputs: tuple[torch.Tensor, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`run`, and the scratch buffers its launches wrote (a backward reads them)."""
+        first = inputs[0]
+        outs = [first.new_empty(shape) for shape in self.outputs]
+        outs += [first.new_empty(shape, dtype=dtype) for shape, dtype in self.scratch]
+        n_inputs = len(inputs)
+        for launch, template, slots in self.launches:
+            args = template.copy()
+            for index, source in slots:
+                args[index] = inputs[source] if source < n_inputs else outs[source - n_inputs]
+            launch(args)
+        n_outputs = len(self.outputs)
+        return outs[:n_outputs], outs[n_outputs:]
 
 
 class GradPlan:
@@ -127,10 +152,13 @@ class GradPlan:
     the checked record without its tensors, which the replayed call's inputs provide."""
 
     __slots__ = ("backward", "call", "forward", "inplace", "inplace_backward", "n_activations",
-                 "op")  # fmt: skip
+                 "op", "searched")  # fmt: skip
 
     def __init__(self, forward: Plan, replay: Replay):
         self.forward = forward
+        # The forward searched ``cu_seqlens`` (its one scratch buffer): the caller's tables
+        # are ``cos, sin, cu_seqlens`` and the saved record ``cos, sin, cu_seqlens, searched``.
+        self.searched = bool(forward.scratch)
         self.op = replay.op
         self.call = replay.call
         self.inplace = replay.inplace
@@ -172,17 +200,18 @@ class Replay(NamedTuple):
 
 
 def _plain_call(
-    layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
+    layout, cu_seqlens, position_ids, validate, cp_rank, cp_size, interleaved, interleaved_out
 ) -> bool:
     """The conditions both ops' plans share: no compile tracing (checked first, so Dynamo
     traces nothing below), no forward-mode AD (a tensor's tangent is not in its metadata: a
-    dual tensor would pass the guard), no ``cu_seqlens`` search, no validation, a layout that
-    is a str, ints that are ints and flags that are bools (so 1 never stands in for True)."""
+    dual tensor would pass the guard), not both ``cu_seqlens`` and ``position_ids`` (an
+    error), no validation, a layout that is a str, ints that are ints and flags that are bools
+    (so 1 never stands in for True)."""
     return not (
         torch.compiler.is_compiling()
         or _fwad._current_level >= 0
         or layout.__class__ is not str
-        or cu_seqlens is not None
+        or (cu_seqlens is not None and position_ids is not None)
         or validate is not False
         or cp_rank.__class__ is not int
         or cp_size.__class__ is not int
@@ -202,21 +231,29 @@ def query_signature(
     :class:`GradPlan`."""
     if (
         not _plain_call(
-            layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
+            layout,
+            cu_seqlens,
+            position_ids,
+            validate,
+            cp_rank,
+            cp_size,
+            interleaved,
+            interleaved_out,
         )
         or (inverse is not True and inverse is not False)
         or (inplace is not True and inplace is not False)
         or (inplace_backward is not True and inplace_backward is not False)
     ):
         return None
-    tensors = (q, cos, sin) if position_ids is None else (q, cos, sin, position_ids)
+    tensors = (q, cos, sin, *_positions(position_ids, cu_seqlens))
     alignment = _alignment(tensors)
     grad_mode = _is_grad_enabled()
     if alignment is None or (grad_mode and q.requires_grad and _transforms_active()):
         return None
     key = (
         "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace,
-        inplace_backward, len(tensors), q.shape, alignment, _device_key(q), grad_mode,
+        inplace_backward, cu_seqlens is None, len(tensors), q.shape, alignment, _device_key(q),
+        grad_mode,
     )  # fmt: skip
     return _signature(Signature, (key, tensors))
 
@@ -230,13 +267,20 @@ def kv_signature(
     Megatron-Core's does: a plan of its own)."""
     if (
         not _plain_call(
-            layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
+            layout,
+            cu_seqlens,
+            position_ids,
+            validate,
+            cp_rank,
+            cp_size,
+            interleaved,
+            interleaved_out,
         )
         or k_dim.__class__ is not int
         or (copy_v is not True and copy_v is not False)
     ):
         return None
-    tensors = (kv, k_pe, cos, sin) if position_ids is None else (kv, k_pe, cos, sin, position_ids)
+    tensors = (kv, k_pe, cos, sin, *_positions(position_ids, cu_seqlens))
     alignment = _alignment(tensors)
     grad_mode = _is_grad_enabled()
     if alignment is None or (
@@ -245,7 +289,8 @@ def kv_signature(
         return None
     key = (
         "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v,
-        megatron_rounding, len(tensors), kv.shape, alignment, _device_key(kv), grad_mode,
+        megatron_rounding, cu_seqlens is None, len(tensors), kv.shape, alignment,
+        _device_key(kv), grad_mode,
     )  # fmt: skip
     return _signature(Signature, (key, tensors))
 
@@ -256,10 +301,15 @@ def pair_signature(
 ) -> Signature | None:  # fmt: skip
     """The signature of an ``apply_rope_qk`` call, or None if it cannot have a plan. A call
     that needs autograd for one of ``q`` and ``k`` only takes the pipeline (its outputs'
-    ``requires_grad`` differ; one node would give both the same)."""
-    if not _plain_call(
-        layout, cu_seqlens, validate, cp_rank, cp_size, interleaved, interleaved_out
-    ) or (inverse is not True and inverse is not False):
+    ``requires_grad`` differ; one node would give both the same), and so does one with
+    ``cu_seqlens`` (each tensor's pipeline searches for itself)."""
+    if (
+        cu_seqlens is not None
+        or not _plain_call(
+            layout, None, position_ids, validate, cp_rank, cp_size, interleaved, interleaved_out
+        )
+        or (inverse is not True and inverse is not False)
+    ):
         return None
     tensors = (q, k, cos, sin) if position_ids is None else (q, k, cos, sin, position_ids)
     alignment = _alignment(tensors)
@@ -278,6 +328,14 @@ def pair_signature(
 
 
 _transforms_active = torch._C._are_functorch_transforms_active  # torch.func: its own path
+
+
+def _positions(position_ids, cu_seqlens) -> tuple:
+    """The position tensor a signature holds after the tables: ``position_ids`` or
+    ``cu_seqlens`` (the key says which), or none."""
+    if position_ids is not None:
+        return (position_ids,)
+    return () if cu_seqlens is None else (cu_seqlens,)
 
 
 def _alignment(tensors: tuple) -> int | None:
@@ -411,6 +469,9 @@ def _plan_from(inputs, outputs, launches) -> Plan | None:
         if out.stride() != _contiguous_strides(out.shape) or out.dtype != inputs[0].dtype:
             return None
         out_specs.append(tuple(out.shape))
+    scratch = getattr(launches, "scratch", ())
+    if any(not s.is_contiguous() or s.device != inputs[0].device for s in scratch):
+        return None
     recorded = []
     for launch, args in launches:
         template, slots = [], []
@@ -421,14 +482,19 @@ def _plan_from(inputs, outputs, launches) -> Plan | None:
             template.append(None)
             source = _source_of(arg, inputs, outputs)
             if source is None:
-                return None
+                # A declared scratch buffer (the first launch given it writes it whole).
+                j = next((j for j, s in enumerate(scratch) if arg is s), None)
+                if j is None:
+                    return None
+                source = len(inputs) + len(outputs) + j
             slots.append((index, source))
         recorded.append((launch, template, tuple(slots)))
     apart = ()
     if not outputs:  # in place: inputs[0] is written, the other inputs are read
         reads = tuple((j, byte_span(t)) for j, t in enumerate(inputs) if j and byte_span(t))
         apart = (byte_span(inputs[0]), reads) if byte_span(inputs[0]) and reads else ()
-    return Plan(tuple(recorded), tuple(out_specs), apart)
+    specs = tuple((tuple(s.shape), s.dtype) for s in scratch)
+    return Plan(tuple(recorded), tuple(out_specs), apart, specs)
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:

@@ -299,18 +299,21 @@ class _ThroughBase(torch.autograd.Function):
     reshaped as ``q``, out of place: the base's gradient may be another branch's too (``base +
     y`` hands one tensor to both), which ``inplace_backward`` does not vouch for. Inputs:
     ``base``, ``q``'s shape, ``rotate``, then either the pipeline's record and None, or None
-    and the launch plan of a replayed call with the record's ``cos, sin[, ids]`` (the backward
+    and the launch plan of a replayed call, whose ``rotate`` returns the record's tensors its
+    backward reads (``cos, sin[, ids]`` or ``cos, sin, cu_seqlens, searched``; the backward
     replays the plan's recorded launches). The record's tensors are saved as the other nodes
     save them, so that an in-place change to a table before the backward raises."""
 
     @staticmethod
     def forward(ctx, base, shape, rotate, call, plan, *tables):
-        rotate(base.view(shape))  # which bumps the version counter once, as the other paths
+        # which bumps the version counter once, as the other paths; a replayed call's rotate
+        # returns what its backward reads (the tables, and the search it made)
+        saved = rotate(base.view(shape))
         ctx.mark_dirty(base)
         if plan is None:
             _save(ctx, call)
         else:
-            ctx.save_for_backward(*tables)
+            ctx.save_for_backward(*saved)
         ctx.shape, ctx.plan, ctx.n_tables = shape, plan, len(tables)
         return base
 
@@ -480,10 +483,10 @@ class _Replayed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, *inputs):
-        outs = plan.forward.run(inputs)
+        outs, scratch = plan.forward.run_keeping_scratch(inputs)
         n = plan.n_activations
         ctx.plan = plan
-        record = _record_tensors(inputs[0], inputs[n:])
+        record = _record_tensors(inputs[0], inputs[n:], plan.searched, scratch)
         ctx.save_for_backward(*(record * 2 if plan.op == "qk" else record))
         op = plan.op
         if op == "q":
@@ -505,8 +508,7 @@ class _Replayed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         plan = ctx.plan
-        cos, sin, _, position_ids, _ = ctx.saved_tensors[:5]
-        saved = (cos, sin) if position_ids is None else (cos, sin, position_ids)
+        saved = _saved_tables(ctx.saved_tensors[:5])
         if any(g is None for g in grads):  # "qk" only: one output unused
             results = tuple(
                 None if g is None else _q_gradient(_ready(g), _call_of(plan, saved, g), False)
@@ -547,14 +549,18 @@ def _replayed_gradients(plan, grads: tuple, saved: tuple) -> tuple:
     return _replayed_backward(plan, grads, saved)
 
 
-def _record_tensors(x: Tensor, tables: tuple) -> tuple:
+def _record_tensors(x: Tensor, tables: tuple, searched: bool = False, scratch=()) -> tuple:
     """``ops.call_tensors`` of the pipeline's record for a replayed call on ``x`` with the
-    caller's ``(cos, sin[, position_ids])``: ``(cos [P, R], sin [P, R], None, position_ids
-    broadcast to x's token dims or None, None)``, as ``_checks`` makes them."""
+    caller's ``(cos, sin[, position_ids or cu_seqlens])``: ``(cos [P, R], sin [P, R],
+    cu_seqlens or None, position_ids broadcast to x's token dims or None, the forward's search
+    or None)``, as ``_checks`` and ``ops.search_for_backward`` make them (``searched``: the
+    third table is ``cu_seqlens``, and ``scratch`` holds the replayed search's output)."""
     cos, sin = tables[0], tables[1]
     if cos.dim() != 2:
         rows, rope_dim = cos.shape[0], cos.shape[-1]
         cos, sin = cos.reshape(rows, rope_dim), sin.reshape(rows, rope_dim)
+    if searched:
+        return (cos, sin, tables[2], None, scratch[0])
     position_ids = tables[2] if len(tables) > 2 else None
     if position_ids is not None:
         tokens = x.shape[: x.dim() - 2]
@@ -563,9 +569,20 @@ def _record_tensors(x: Tensor, tables: tuple) -> tuple:
     return (cos, sin, None, position_ids, None)
 
 
+def _saved_tables(record: tuple) -> tuple:
+    """What a replayed call's backward reads of its saved record (:func:`_record_tensors`):
+    ``cos, sin``, then ``position_ids`` or ``cu_seqlens, searched`` where it has them."""
+    cos, sin, cu_seqlens, position_ids, searched = record
+    if cu_seqlens is not None:
+        return (cos, sin, cu_seqlens, searched)
+    return (cos, sin) if position_ids is None else (cos, sin, position_ids)
+
+
 def _call_of(plan, saved: tuple, x: Tensor):
-    """The record of a replayed call, its tensors the saved ones (``cos, sin[, ids]``: already
-    the pipeline's ``[P, R]`` tables and broadcast positions, :func:`_record_tensors`)."""
+    """The record of a replayed call, its tensors the saved ones (:func:`_saved_tables`:
+    already the pipeline's ``[P, R]`` tables, broadcast positions and search)."""
+    if plan.searched:
+        return with_tensors(plan.call, (saved[0], saved[1], saved[2], None, saved[3]))
     position_ids = saved[2] if len(saved) > 2 else None
     return with_tensors(plan.call, (saved[0], saved[1], None, position_ids, None))
 
@@ -604,12 +621,11 @@ def replay(plan: _plans.GradPlan, inputs: tuple):
     q = inputs[0]
     if plan.op == "q" and plan.inplace and rotates_whole_base(q):
         tables = inputs[1:]
-        cos, sin, _, position_ids, _ = _record_tensors(q, tables)
-        saved = (cos, sin) if position_ids is None else (cos, sin, position_ids)
 
-        def rotate(x: Tensor) -> None:
-            plan.forward.run((x, *tables))
+        def rotate(x: Tensor) -> tuple:
+            _, scratch = plan.forward.run_keeping_scratch((x, *tables))
             torch.autograd.graph.increment_version(x)  # the kernel wrote through a pointer
+            return _saved_tables(_record_tensors(x, tables, plan.searched, scratch))
 
-        return _rotate_through_base(q, rotate, None, plan, saved)
+        return _rotate_through_base(q, rotate, None, plan)
     return _apply_replayed(plan, *inputs)

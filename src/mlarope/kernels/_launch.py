@@ -41,17 +41,37 @@ class _Recording(threading.local):
     # The launches of this thread while ``recording()`` is active (for mlarope._plans), each
     # with its arguments; None otherwise. Per thread, so that one thread's launch is never
     # taken for another's.
-    launches: list[tuple[Launch, tuple]] | None = None
+    launches: Recorded | None = None
 
 
 _recording = _Recording()
 
 
+class Recorded(list):
+    """The launches a :func:`recording` block made, ``(launch, args)`` in order, and in
+    ``scratch`` the buffers its launches made and wrote before a later launch read them (the
+    ``cu_seqlens`` search's positions: :func:`note_scratch`)."""
+
+    __slots__ = ("scratch",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scratch: list[torch.Tensor] = []
+
+
+def note_scratch(buffer: torch.Tensor) -> None:
+    """Declare ``buffer`` (new, contiguous) a scratch buffer that the next launch writes whole:
+    a plan replaying the launches allocates one of its shape and dtype instead."""
+    recorded = _recording.launches
+    if recorded is not None:
+        recorded.scratch.append(buffer)
+
+
 @contextlib.contextmanager
 def recording():
     """Collect, in order, every launch this thread makes through a ``DirectLauncher`` inside
-    the block, as ``(launch, args)``."""
-    launches: list[tuple[Launch, tuple]] = []
+    the block, as ``(launch, args)``, with the scratch buffers they wrote (:class:`Recorded`)."""
+    launches = Recorded()
     previous, _recording.launches = _recording.launches, launches
     try:
         yield launches

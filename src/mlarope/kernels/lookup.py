@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..positions import PADDING_POSITION, SEARCH_FANOUT, search_steps
-from ._launch import DirectLauncher
+from ._launch import DirectLauncher, note_scratch
 from ._triton_compat import loop_bound
 
 # Position sources: the rotation kernels' constexpr POS_MODE (the modes from POS_SEARCHED on
@@ -173,6 +173,7 @@ def search_cu_seqlens(cu: torch.Tensor, n_tokens: int, cp_rank: int, cp_size: in
     """``[n_tokens]`` int64: every thd token's position from ``cu: [n + 1]`` (one launch of the
     search on ``cu``'s device and the current stream; no host sync)."""
     out = torch.empty(n_tokens, dtype=torch.int64, device=cu.device)
+    note_scratch(out)  # written whole by the search: a recorded plan allocates its own
     launch_cu_seqlens_search(cu, out, cp_rank, cp_size)
     return out
 
