@@ -11,19 +11,7 @@ import pytest
 import torch
 
 from mlarope.compat import megatron as mm
-from tests.compat_megatron_harness import (
-    CU,
-    B,
-    H,
-    K,
-    N,
-    P,
-    R,
-    S,
-    V,
-    make_tables,
-    randn,
-)
+from tests.compat_megatron_harness import CU, B, H, K, N, P, R, S, V, make_tables, randn
 
 _Q_NEW = [
     ("t", inspect.Parameter.empty), ("cos", inspect.Parameter.empty),

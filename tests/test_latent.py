@@ -18,9 +18,7 @@ import torch
 import mlarope
 from mlarope import _latent_sums, reference
 from mlarope.kernels.latent import LatentLaunchConfig, choose_latent_config
-from tests.errmodel import (
-    assert_close_elementwise,
-)
+from tests.errmodel import assert_close_elementwise
 from tests.harness import (
     bitwise_equal,
     fused_reference,

@@ -12,16 +12,8 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 import mlarope
-from tests.harness import (
-    bitwise_equal,
-    random_tables,
-    reference_backend,
-)
-from tests.latent_harness import (
-    Case,
-    checked,
-    make_grads,
-)
+from tests.harness import bitwise_equal, random_tables, reference_backend
+from tests.latent_harness import Case, checked, make_grads
 
 FP64_CASES = [
     dict(layout="bshd", tokens=(2, 3)),

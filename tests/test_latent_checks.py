@@ -11,9 +11,7 @@ import pytest
 import torch
 
 import mlarope
-from tests.harness import (
-    random_tables,
-)
+from tests.harness import random_tables
 
 
 def _good(device):

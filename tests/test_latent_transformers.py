@@ -9,17 +9,8 @@ import pytest
 import torch
 
 import mlarope
-from tests.errmodel import (
-    U32,
-    assert_close_elementwise,
-    join_pairs,
-    split_pairs,
-    table_bound,
-    ulp,
-)
-from tests.harness import (
-    random_tables,
-)
+from tests.errmodel import U32, assert_close_elementwise, join_pairs, split_pairs, table_bound, ulp
+from tests.harness import random_tables
 from tests.latent_harness import (
     Case,
     dx_tolerance,
