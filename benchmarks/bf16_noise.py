@@ -3,7 +3,8 @@
     python -m benchmarks.bf16_noise [DEVICE] [FAMILY] [--seeds N]
 
 For a tiny model of ``FAMILY`` (default ``deepseek_v4``) in bf16 on ``DEVICE`` (default
-``cuda``), built as ``tests/test_transformers_families.py`` builds it, prints per seed:
+``cuda``), built as the families' tests build it (``tests/families_harness.py``), prints per
+seed:
 
 - ``G`` (the test's aggregate: the root-sum-square of the relative deviations from the fp64 run,
   patched over unpatched) of the patched run, the fused reference's (the PyTorch backend
@@ -13,7 +14,7 @@ For a tiny model of ``FAMILY`` (default ``deepseek_v4``) in bf16 on ``DEVICE`` (
 
 How the tenth session found that ``deepseek_v4``'s bf16 ``G`` on the H200 (3.95) was its router
 gate's gradient alone, zero in exact arithmetic (docs/perf_log.md v15). Developer tooling: it
-imports the test module, so it runs from the repository root.
+imports the tests' harness, so it runs from the repository root.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from mlarope.integrations import transformers as mt
-from tests import test_transformers_families as families
+from tests import families_harness as families
 from tests.harness import fused_reference, reference_backend
 
 
@@ -37,7 +38,7 @@ def relative(run: dict, truth: dict, key: str) -> float:
 def diagnose(family: str, device: torch.device, seed: int, monkeypatch) -> None:
     model = families.tiny_model(families.REPORT[family], torch.bfloat16, device, seed=seed)
     model64 = copy.deepcopy(model).double()
-    ids = families._ids(8, device)
+    ids = families.token_ids(8, device)
     unpatched = families.run(model, ids)
     truth = families.run(model64, ids)
     nearest = families.run_emulated(monkeypatch, family, lambda: families.run(model, ids))

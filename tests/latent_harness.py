@@ -1,5 +1,5 @@
 """The latent op's test harness: cases, inputs, launches into NaN-poisoned outputs, and the fp64
-truth with per-element tolerances derived from the error model. ``tests/test_latent.py`` builds
+truth with per-element tolerances derived from the error model. ``tests/test_latent*.py`` build
 on it.
 
 Shapes (``tokens...`` is ``[S, B]`` for sbhd, ``[B, S]`` for bshd, ``[T]`` for thd):
@@ -33,7 +33,7 @@ import torch
 from mlarope import reference
 from mlarope.latent import check_latent_call
 from tests.errmodel import U32, poisoned_like, rope_tolerance, ulp
-from tests.harness import random_tables
+from tests.harness import fused_multiply_add, random_tables
 
 
 @dataclass
@@ -100,6 +100,13 @@ def host_checked(ckv, weight, cos, sin, kwargs):
         kwargs.get("cu_seqlens"), kwargs.get("position_ids"), 0, 1, kwargs["interleaved"],
         kwargs["interleaved_out"],
     )  # fmt: skip
+
+
+def checked(case, device):
+    """``case``'s inputs, with the tables and positions its host checks give the kernels."""
+    ckv, weight, cos, sin, kwargs = make_inputs(case, device)
+    _, _, cos2d, sin2d, positions, _ = host_checked(ckv, weight, cos, sin, kwargs)
+    return ckv, weight, cos, sin, kwargs, cos2d, sin2d, positions
 
 
 def make_grads(ckv, weight, case: Case):
@@ -247,3 +254,11 @@ def weight_truth(g_latent, h, weight, in_dtype, units, term_rel=0.0, levels=None
     levels = WEIGHT_SUM_UNITS if levels is None else levels
     arith = per_term.sum(0) + (levels * U32 + term_rel) * (g * h_r).abs().sum(0)
     return truth, arith + ulp(truth.abs() + arith, weight.dtype)
+
+
+def fused_fma(x, y, z):
+    """``_latent_sums.fma`` as the kernels compute it where they fuse: one rounding in fp32."""
+    if x.dtype != torch.float32:
+        return x * y + z
+    x, y, z = torch.broadcast_tensors(x, y, z)
+    return fused_multiply_add(x, y, z)

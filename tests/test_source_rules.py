@@ -1,11 +1,11 @@
 """Rules of the source tree that no other test sees: no source file over 700 lines, and no run
-IDs (``run H3``, ``runs H2-I3``, ``(run AC)``: the GPU lane's and the perf log's names for one
-measurement) in the comments and docstrings of the code. A comment gives the reason; the run
-that measured it belongs in docs/perf_log.md (``perf_log v16`` points there where a comment needs
-its evidence).
+IDs (the GPU lane's and the perf log's names for one measurement: ``run`` or ``runs`` and one or
+two capitals with up to two digits, as the cases of ``test_what_a_run_id_is`` show) in the
+comments and docstrings of the code. A comment gives the reason; the run that measured it
+belongs in docs/perf_log.md (``perf_log v16`` points there where a comment needs its evidence).
 
-Both read ``src/`` and ``benchmarks/``. ``tests/`` and ``scripts/`` hold longer files (test
-modules of one concern each, the Megatron test harness) and are not held to the line limit.
+Both read every Python file of ``src/``, ``benchmarks/``, ``tests/`` and ``scripts/``: a longer
+test module is split by concern, its shared helpers in a harness module (``tests/*harness.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("src", "benchmarks")
+SOURCE_DIRS = ("src", "benchmarks", "tests", "scripts")
 MAX_LINES = 700
 # "run" or "runs", then a run's name: one or two capitals and at most two digits (A, AC, H3, Z6,
 # CP2), not followed by a word character or "(" (the run "O(1)" away is big-O).

@@ -1,7 +1,7 @@
 """The attention-level path (``apply_mlarope_attention``): a DeepSeek-structured MLA
 attention's glue around RoPE fused, against transformers itself.
 
-Oracles and tolerances as in ``test_integration_transformers`` (its tiny DeepSeek-V3 models and
+Oracles and tolerances as in ``tests/deepseek_harness.py`` (its tiny DeepSeek-V3 models and
 its rounding-noise bound: a fused run and transformers' are two fp32 evaluations of the same
 network, each within the network's own measured fp32 error of the float64 model, so they differ
 by at most about twice that; a wrong layout or a missing norm is O(1)). The copies are counted
@@ -25,7 +25,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 import mlarope
 from mlarope.integrations import transformers as mt
-from tests.test_integration_transformers import BATCH, SEQ, _noise_bounds, _run, _v3_model
+from tests.deepseek_harness import BATCH, SEQ, noise_bounds, run_model, v3_model
 
 
 @pytest.fixture(autouse=True)
@@ -56,16 +56,16 @@ def op_calls(monkeypatch):
     ids=["interleave-q_lora", "half_split-q_proj"],
 )  # fmt: skip
 def test_fused_model_matches_transformers(device, op_calls, rope_interleave, heads, q_lora_rank):
-    model = _v3_model(device, rope_interleave=rope_interleave, heads=heads, q_lora_rank=q_lora_rank)
+    model = v3_model(device, rope_interleave=rope_interleave, heads=heads, q_lora_rank=q_lora_rank)
     model64 = copy.deepcopy(model).double()
     ids = torch.randint(0, 64, (BATCH, SEQ), device=device)
-    orig32, orig64 = _run(model, ids, None), _run(model64, ids, None)
-    bounds = _noise_bounds(orig32, orig64)
+    orig32, orig64 = run_model(model, ids, None), run_model(model64, ids, None)
+    bounds = noise_bounds(orig32, orig64)
 
     assert mt.apply_mlarope_attention(model) == {"DeepseekV3Attention": "fused"}
     for name in op_calls:
         op_calls[name] = 0  # the probe's calls
-    fused = _run(model, ids, None)
+    fused = run_model(model, ids, None)
     assert op_calls == {"apply_rope_q": 2, "rmsnorm_rope_latent": 2, "apply_rope_kv": 2}
     assert fused.keys() == orig32.keys()
     for name, bound in bounds.items():
@@ -75,7 +75,7 @@ def test_fused_model_matches_transformers(device, op_calls, rope_interleave, hea
     # in fp32 even in a float64 model (its forward casts to fp32), the latent op in the input's
     # precision, so the two float64 models differ by the norm's fp32 rounding: the fp32 bound.
     mt.apply_mlarope_attention(model64)
-    fused64 = _run(model64, ids, None)
+    fused64 = run_model(model64, ids, None)
     for name, bound in bounds.items():
         err = float((fused64[name] - orig64[name]).abs().max())
         assert err <= bound, f"float64 {name}: {err:.3e} > {bound:.3e}"
@@ -135,7 +135,7 @@ def _one_layer_copies(device, fuse):
     from transformers import AttentionInterface
 
     AttentionInterface.register("mlarope_test_layout_keeping", _layout_keeping_attention)
-    model = _v3_model(device, rope_interleave=True, heads=4, q_lora_rank=32)
+    model = v3_model(device, rope_interleave=True, heads=4, q_lora_rank=32)
     model.config._attn_implementation = "mlarope_test_layout_keeping"
     if fuse:
         assert mt.apply_mlarope_attention(model) == {"DeepseekV3Attention": "fused"}
@@ -170,7 +170,7 @@ def test_a_class_that_computes_otherwise_is_not_fused(device):
             out, weights = super().forward(*args, **kwargs)
             return 1.5 * out, weights
 
-    model = _v3_model(device, rope_interleave=True)
+    model = v3_model(device, rope_interleave=True)
     for layer in model.model.layers:
         layer.self_attn.__class__ = Scaled
     (verdict,) = mt.apply_mlarope_attention(model).values()
@@ -182,7 +182,7 @@ def test_decoding_with_a_kv_cache_runs_the_fused_path(device, op_calls):
     """Generation with a KV cache: the fused layer keeps the latent and the rotated k_pe in the
     cache, as transformers' does, and makes its key and value from every cached token; greedy
     decoding gives the same tokens, every step through mlarope's ops."""
-    model = _v3_model(device, rope_interleave=True).eval()
+    model = v3_model(device, rope_interleave=True).eval()
     ids = torch.randint(3, 60, (1, 5), device=device)
     greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = model.generate(ids, **greedy)
@@ -198,7 +198,7 @@ def test_a_layer_with_a_forward_of_its_own_is_not_fused(device):
     """A layer whose forward somebody wrapped (an instance attribute) is left as it is: the
     class's verdict does not say what the wrapper computes (found by review: it was fused,
     and the wrapper's scaling lost)."""
-    model = _v3_model(device, rope_interleave=True)
+    model = v3_model(device, rope_interleave=True)
     layer = model.model.layers[1].self_attn
     inner = layer.forward
 
@@ -217,7 +217,7 @@ def test_a_layer_with_a_forward_of_its_own_is_not_fused(device):
 def test_the_probe_runs_in_eval_mode_and_leaves_the_rng(device):
     """A training model with attention dropout is fused (the probe runs without dropout), is
     left in training mode, and the global random stream is where it was."""
-    model = _v3_model(device, rope_interleave=True).train()
+    model = v3_model(device, rope_interleave=True).train()
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.5
     state = torch.random.get_rng_state()
@@ -230,7 +230,7 @@ def test_a_fused_model_trains_after_an_inference_mode_forward(device):
     torch.inference_mode, a later training step could not save them)."""
     from mlarope.integrations.transformers import _attention
 
-    model = _v3_model(device, rope_interleave=True)
+    model = v3_model(device, rope_interleave=True)
     mt.apply_mlarope_attention(model)
     _attention._IDENTITY.clear()
     ids = torch.randint(3, 60, (1, 6), device=device)
@@ -242,8 +242,8 @@ def test_a_fused_model_trains_after_an_inference_mode_forward(device):
 def test_each_fused_model_holds_the_patch(device):
     """Two fused models: reverting one leaves the other's rotary functions patched (found by
     review: the first revert unpatched the family for the whole process)."""
-    first = _v3_model(device, rope_interleave=True)
-    second = _v3_model(device, rope_interleave=True)
+    first = v3_model(device, rope_interleave=True)
+    second = v3_model(device, rope_interleave=True)
     mt.apply_mlarope_attention(first)
     mt.apply_mlarope_attention(second)
     mt.revert_mlarope_attention(first)
@@ -270,6 +270,6 @@ def test_a_bf16_model_is_fused(device):
     """The probe hands the layer tables in its own dtype, as transformers' rotary embedding
     does (with fp32 tables a bf16 layer's own forward promoted its query to fp32, and the probe
     refused every bf16 model: found on the H200)."""
-    model = _v3_model(device, rope_interleave=True).to(torch.bfloat16)
+    model = v3_model(device, rope_interleave=True).to(torch.bfloat16)
     model.config._attn_implementation = "sdpa"
     assert mt.apply_mlarope_attention(model) == {"DeepseekV3Attention": "fused"}

@@ -5,9 +5,10 @@ timings mean nothing here; the structure, the patch reaching mlarope, and the ca
 summing to the total do.
 
 The families are fixed, two that ``apply_mlarope_to_all()`` patches by default under
-transformers 5.25 (run J2's record): ``longcat_flash`` (one decoder layer of two MLA sublayers,
-MoE with zero experts) and ``deepseek_v3`` (a dense and an MoE layer). (``glm_moe_dsa``, the
-other one before, is off by default since run J2: its patched step would rotate nothing.)"""
+transformers 5.25 (the measured record in ``_measured.py``; docs/transformers.md, "Worth it"):
+``longcat_flash`` (one decoder layer of two MLA sublayers, MoE with zero experts) and
+``deepseek_v3`` (a dense and an MoE layer). (``glm_moe_dsa``, the other one before, is off by
+default since that record: its patched step would rotate nothing.)"""
 
 from __future__ import annotations
 

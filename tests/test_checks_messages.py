@@ -16,51 +16,26 @@ import pytest
 import torch
 
 import mlarope
+from tests.checks_harness import (
+    B,
+    H,
+    K,
+    P,
+    R,
+    S,
+    T,
+    V,
+    act,
+    call,
+    inference_tensor,
+    strided_last,
+    thd,
+    width,
+)
 
-S, B, H = 4, 2, 2  # sequence, batch, heads
-N, R = 8, 32  # q: nope and rope channels
-K, V = 4, 6  # kv: key-nope and value channels
-P = 16  # table rows
-T = 8  # thd tokens
 BOTH = ("q", "kv")
 Q_ONLY = ("q",)
 KV_ONLY = ("kv",)
-
-
-def width(op: str) -> int:
-    return N + R if op == "q" else K + V
-
-
-def act(op: str, tokens: tuple[int, ...], **kw) -> torch.Tensor:
-    """The activation of ``op``: ``q: [tokens..., H, N + R]`` or ``kv: [tokens..., H, K + V]``."""
-    return torch.randn(*tokens, H, width(op), **kw)
-
-
-def call(op: str, *, tokens=(S, B), layout="sbhd", x=None, k_pe=None, cos=None, sin=None, **kw):
-    """A valid call of ``op`` with ``tokens`` token dims, with the given arguments replaced."""
-    x = act(op, tokens) if x is None else x
-    cos = torch.randn(P, R) if cos is None else cos
-    sin = torch.randn(P, R) if sin is None else sin
-    if op == "q":
-        return mlarope.apply_rope_q(x, cos, sin, layout=layout, **kw)
-    k_pe = torch.randn(*tokens, 1, R) if k_pe is None else k_pe
-    kw.setdefault("k_dim", K)
-    return mlarope.apply_rope_kv(x, k_pe, cos, sin, layout=layout, **kw)
-
-
-def _inference(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` made under ``torch.inference_mode()`` (an inference tensor)."""
-    with torch.inference_mode():
-        return t.clone()
-
-
-def thd(**kw) -> dict:
-    return {"tokens": (T,), "layout": "thd", **kw}
-
-
-def strided_last(shape: tuple[int, ...]) -> torch.Tensor:
-    """A view of ``shape`` whose last dim has stride 2."""
-    return torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2]
 
 
 @dataclass
@@ -411,7 +386,7 @@ CASES = [
     # --- in place on an inference tensor outside inference mode (was written silently) --------
     case(
         "q-inference-tensor-inplace",
-        lambda op: {"x": _inference(act(op, (S, B))), "inplace": True},
+        lambda op: {"x": inference_tensor(act(op, (S, B))), "inplace": True},
         ValueError,
         "q is an inference tensor",
         "inplace=False",
@@ -632,150 +607,6 @@ def test_validation_from_environment(op, monkeypatch):
     call(op, **bad)  # unchecked: no sync, no error (the kernels stay in bounds)
 
 
-def test_inplace_on_a_broadcast_q_is_rejected():
-    """Elements that share memory cannot be rotated in place (two programs would both rotate
-    them): a ValueError naming q, never a silently wrong result."""
-    cos, sin = torch.randn(64, 32), torch.randn(64, 32)
-    q = torch.randn(1, 8, 2, 16 + 32).expand(4, 8, 2, 48)
-    with pytest.raises(ValueError, match=r"q has elements that share memory.*\(4, 8, 2, 48\)"):
-        mlarope.apply_rope_q(q, cos, sin, layout="bshd", inplace=True)
-    out = mlarope.apply_rope_q(q, cos, sin, layout="bshd")  # out of place is fine
-    assert out.shape == q.shape
-
-
-@pytest.mark.parametrize("backend", ["kernels", "reference"])
-def test_inplace_on_overlapping_rows_is_rejected(backend, device, monkeypatch):
-    """Rows that overlap without a stride-0 dim (an ``as_strided`` view): a ValueError naming
-    q on every backend (both accepted it and wrote different values, up to 4.1 apart)."""
-    if backend == "reference":
-        if torch.device(device).type != "cpu":
-            pytest.skip("the reference backend runs CPU tensors")
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    cos, sin = torch.randn(16, 32, device=device), torch.randn(16, 32, device=device)
-    memory = torch.randn(400, device=device)
-    q = memory.as_strided((6, 1, 32), (16, 32, 1))
-    with pytest.raises(ValueError, match=r"q has elements that share memory.*overlapping rows"):
-        mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
-    # rows of a fused projection, apart: accepted
-    wide = torch.randn(6, 2, 3 * 48, device=device)[..., 48 : 2 * 48]
-    positions = torch.arange(6, device=device)
-    mlarope.apply_rope_q(wide, cos, sin, layout="thd", position_ids=positions, inplace=True)
-
-
-@pytest.mark.parametrize("shared", ["cos", "sin", "position_ids"])
-def test_inplace_on_memory_the_call_reads_is_rejected(shared, device):
-    """q overlapping a table or the positions: the programs would read values others already
-    rotated (a silently wrong result, and a race on a GPU). A ValueError naming both, also when
-    the same metadata was recorded as a launch plan from a call without the overlap."""
-    T, R = 16, 32
-    ids = torch.arange(T - 1, -1, -1, device=device)
-
-    def call(q, cos, sin, position_ids):
-        return mlarope.apply_rope_q(
-            q, cos, sin, layout="thd", position_ids=position_ids, inplace=True
-        )
-
-    def tensors(overlap: bool):
-        # Every tensor a view of a [T, 2, R] block, so that both calls have one metadata.
-        memory = torch.randn(T, 2, R, device=device)
-        blocks = {name: torch.randn(T, 2, R, device=device) for name in ("cos", "sin", "ids")}
-        if overlap:
-            blocks[{"position_ids": "ids"}.get(shared, shared)] = memory
-        q = memory[:, :1]  # [T, 1, R]
-        position_ids = blocks["ids"].view(torch.int64)[:, 0, 0]  # the first 8 bytes of a row
-        position_ids.copy_(ids)
-        return q, blocks["cos"][:, 0], blocks["sin"][:, 0], position_ids
-
-    call(*tensors(False))
-    call(*tensors(False))  # recorded: a launch plan for this metadata
-    with pytest.raises(ValueError, match=f"q shares memory with {shared}"):
-        call(*tensors(True))
-
-
-def test_compiled_inplace_on_memory_the_call_reads_is_rejected():
-    """Under torch.compile(fullgraph=True) without grad (the in-place op itself runs in the
-    graph): the overlap is refused when the graph runs, since tracing sees no addresses."""
-    T, R = 16, 32
-    memory = torch.randn(T, 2, R)
-    q, cos, sin = memory[:, :1], memory[:, 0], torch.randn(T, R)
-
-    @torch.compile(backend="eager", fullgraph=True)
-    def rope(q, cos, sin):
-        return mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
-
-    with torch.no_grad(), pytest.raises(ValueError, match="q shares memory with cos"):
-        rope(q, cos, sin)
-
-
-def test_compiled_position_ids_of_a_dynamic_token_dim():
-    """Under torch.compile, once the token count is dynamic, position_ids of that count still
-    broadcast to it (a static 1 and a SymInt: ``s in (1, t)`` was False there and raised)."""
-    R = 32
-    cos, sin = torch.randn(64, R), torch.randn(64, R)
-
-    @torch.compile(backend="eager", fullgraph=True)
-    def rope(q, ids=None):
-        return mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids)
-
-    rope(torch.randn(8, 1, R))
-    rope(torch.randn(12, 1, R))  # the token dim becomes dynamic
-    q, ids = torch.randn(8, 1, R), torch.arange(8)
-    assert torch.equal(
-        rope(q, ids), mlarope.apply_rope_q(q, cos, sin, layout="thd", position_ids=ids)
-    )
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernels", "reference"])
-def test_kv_backward_with_zero_heads(dtype, device):
-    """With no heads ``k_pe`` reaches no output: its gradient is zero in every row, an
-    out-of-range position included, on every backend. (Before: NaN on the reference.)"""
-    device = device if dtype == torch.float32 else torch.device("cpu")
-    cos, sin = torch.randn(64, 32, device=device), torch.randn(64, 32, device=device)
-    kv = torch.randn(4, 2, 0, 16, dtype=dtype, device=device, requires_grad=True)
-    k_pe = torch.randn(4, 2, 1, 32, dtype=dtype, device=device, requires_grad=True)
-    k, v = mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=8)
-    (k.sum() + v.sum()).backward()
-    assert torch.equal(k_pe.grad, torch.zeros_like(k_pe))
-    ids = torch.tensor([[0, 1], [64, 2], [3, -1], [5, 6]], device=device)  # two out of range
-    k_pe.grad = None
-    k, v = mlarope.apply_rope_kv(kv, k_pe, cos, sin, k_dim=8, position_ids=ids)
-    (k.sum() + v.sum()).backward()
-    assert torch.equal(k_pe.grad, torch.zeros_like(k_pe))
-
-
-def test_inplace_on_an_inference_tensor():
-    """Outside inference mode an inference tensor cannot be rotated in place (PyTorch's rule):
-    a ``ValueError`` before anything is written. Inside inference mode it is rotated."""
-    cos, sin = torch.randn(P, R), torch.randn(P, R)
-    q = _inference(torch.randn(S, B, H, N + R))
-    before = q.clone()
-    with pytest.raises(ValueError, match="q is an inference tensor"):
-        mlarope.apply_rope_q(q, cos, sin, inplace=True)
-    assert torch.equal(q, before), "nothing was written"
-    with torch.inference_mode():
-        out = mlarope.apply_rope_q(q, cos, sin, inplace=True)
-    assert out is q and torch.equal(q, mlarope.apply_rope_q(before, cos, sin))
-
-
-@pytest.mark.parametrize("table", ["cos", "sin"])
-@pytest.mark.parametrize("op", ["q", "kv"])
-def test_tables_that_require_grad_work_without_grad_mode(op, table):
-    """Under ``torch.no_grad()`` no gradient is asked for, so a table that requires grad is
-    fine: the same result as its detached value. The reference module's own API follows the
-    contract too."""
-    tables = {"cos": torch.randn(P, R), "sin": torch.randn(P, R)}
-    want = call(op, x=torch.ones(S, B, H, width(op)), k_pe=torch.ones(S, B, 1, R), **tables)
-    tables[table].requires_grad_(True)
-    with torch.no_grad():
-        got = call(op, x=torch.ones(S, B, H, width(op)), k_pe=torch.ones(S, B, 1, R), **tables)
-    for a, b in zip(got if op == "kv" else (got,), want if op == "kv" else (want,), strict=True):
-        assert torch.equal(a, b)
-    from mlarope import reference
-
-    with pytest.raises(ValueError, match=f"{table} requires grad"):
-        reference.apply_rope_q(torch.randn(S, B, H, N + R), tables["cos"], tables["sin"])
-
-
 @pytest.mark.parametrize("op", ["q", "kv"])
 def test_a_thd_tensor_without_layout_is_told_the_default(op):
     """sbhd is the default layout: a ``[T, H, D]`` tensor passed without ``layout`` is told so,
@@ -813,93 +644,3 @@ def test_negated_position_views_are_refused(source, backend, device, monkeypatch
             mlarope.apply_rope_q(q, cos, sin, layout="thd", validate=validate, **kw)
         with pytest.raises(ValueError, match=f"{source} is a negated view"):
             mlarope.apply_rope_kv(q, q[:, 0, :64], cos, sin, k_dim=6, layout="thd", **kw)
-
-
-@pytest.mark.parametrize("backend", ["kernels", "reference"])
-@pytest.mark.parametrize("source", ["position_ids", "cu_seqlens"])
-def test_validation_in_a_fullgraph_compile(source, backend, device, monkeypatch):
-    """``validate=True`` (or ``MLAROPE_VALIDATE=1``) inside ``torch.compile(fullgraph=True)``:
-    the device-data checks are an op of the graph, which raises the eager error when the graph
-    runs (a traced branch on device data failed the trace, found by review)."""
-    if backend == "reference":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    torch._dynamo.reset()
-    cos, sin = mlarope.YarnConfig(dim=64).cos_sin(16, device=device)
-    q = torch.randn(6, 2, 70, device=device)
-    good = {
-        "position_ids": torch.arange(6, device=device),
-        "cu_seqlens": torch.tensor([0, 2, 6], dtype=torch.int32, device=device),
-    }[source]
-    bad = {
-        "position_ids": torch.tensor([0, 1, 2, 99, 4, 5], device=device),
-        "cu_seqlens": torch.tensor([0, 4, 2], dtype=torch.int32, device=device),
-    }[source]
-
-    def rotate(q, index):
-        return mlarope.apply_rope_q(q, cos, sin, layout="thd", validate=True, **{source: index})
-
-    compiled = torch.compile(rotate, fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(q, good), rotate(q, good))
-    with pytest.raises(ValueError) as eager:
-        rotate(q, bad)
-    with pytest.raises(ValueError) as in_graph:
-        compiled(q, bad)
-    assert str(in_graph.value) == str(eager.value)
-
-
-@pytest.mark.cpu  # switches between the interpreter's kernels and the reference on CPU tensors
-@pytest.mark.parametrize("inplace_backward", [False, True])
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_in_place_bumps_the_version_alike_on_every_backend(
-    requires_grad, inplace_backward, monkeypatch
-):
-    """An in-place rotation is one write on every backend: the reference backend bumped ``q``'s
-    version counter once more than the kernels (its copy, then the call's own bump; found by
-    review: autograd's "is at version" messages differed by backend)."""
-    from mlarope._launch_cache import clear_launch_cache
-
-    cos, sin = mlarope.YarnConfig(dim=64).cos_sin(8)
-    bumps = {}
-    for backend in ("kernels", "reference"):
-        monkeypatch.setenv("TRITON_INTERPRET", "1" if backend == "kernels" else "0")
-        clear_launch_cache()
-        q = torch.randn(4, 2, 70, requires_grad=requires_grad).clone()
-        g = torch.randn(4, 2, 70)
-        before = q._version
-        out = mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True,
-                                   inplace_backward=inplace_backward)  # fmt: skip
-        bumps[backend] = [q._version - before]
-        if requires_grad:
-            before = g._version
-            out.backward(g)
-            bumps[backend].append(g._version - before)
-    assert bumps["kernels"] == bumps["reference"], bumps
-    if not requires_grad:
-        assert bumps["kernels"] == [1]
-
-
-@pytest.mark.parametrize("backend", ["kernels", "reference"])
-@pytest.mark.parametrize("view", [False, True])
-def test_in_place_on_a_leaf_that_requires_grad_writes_nothing(view, backend, monkeypatch):
-    """autograd forbids writing a leaf that requires grad (or a view of one) in place: the call
-    raises before anything is written, as PyTorch's in-place ops do (the kernels wrote, then
-    mark_dirty raised; found by review), also when repeated (no plan is recorded)."""
-    if backend == "reference":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    cos, sin = mlarope.YarnConfig(dim=64).cos_sin(8)
-    leaf = torch.randn(4, 2, 70, requires_grad=True)
-    before = leaf.detach().clone()
-    q = leaf[:, :1] if view else leaf
-    # A launch plan recorded by calls on a non-leaf of the same metadata (its guard does not
-    # tell a leaf): the leaf is refused before the plan is looked up.
-    activation = torch.randn(4, 2, 70, requires_grad=True) * 1
-    for _ in range(2):
-        mlarope.apply_rope_q(activation[:, :1] if view else activation, cos, sin, layout="thd",
-                             inplace=True)  # fmt: skip
-    for _ in range(2):
-        with pytest.raises(RuntimeError, match="q is a leaf Variable that requires grad"):
-            mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
-        assert torch.equal(leaf.detach(), before)
-    with torch.no_grad():  # outside autograd it is an ordinary tensor
-        mlarope.apply_rope_q(q, cos, sin, layout="thd", inplace=True)
-    assert not torch.equal(leaf.detach(), before)
