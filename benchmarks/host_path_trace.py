@@ -2,12 +2,15 @@
 
     PYTHONPATH=src python -m benchmarks.host_path_trace [--verbose]
 
-Each case is called twice (a first call through the pipeline, then a call that finds the
-first one's launch plan) under ``sys.setprofile``. An *entry* is a Python call from one module
-of the package into another; a *climb* is an entry into a module above the caller in
-``LAYERS`` (the order the host path should read in, docs/architecture.md). Kernel bodies run by
-Triton's interpreter are left out: on a GPU they are not host code. The counts measure the
-architecture issue's "each module entered once, nothing back up" (docs/perf_log.md v18).
+Each case is called three times under ``sys.setprofile``: a first call through the pipeline,
+a second (which, with autograd, records its backward's launches) and a replayed call, which
+finds the first one's launch plan (reported: the first and the third). An *entry* is a Python
+call from one module of the package into another; a layer (``LAYERS``, the order the host
+path should read in, docs/architecture.md) is *entered* by an entry from another layer (leaf
+modules, which every layer may use, are not layers); a *climb* is an entry into a layer above
+the caller's. Kernel bodies run by Triton's interpreter are left out: on a GPU they are not
+host code. The counts measure "each module entered once, nothing back up"
+(docs/perf_log.md v18).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import mlarope
 
 # Top to bottom; a module not listed (a leaf such as positions or _launch_cache) is not ranked.
-LAYERS = ("api", "_plans", "_checks", "_memory", "ops", "autograd", "kernels")
+LAYERS = ("api", "_plans", "_checks", "autograd", "ops", "_launch_plans", "kernels")
 
 
 def _rank(module: str) -> int | None:
@@ -64,6 +67,24 @@ def trace(call) -> list[tuple[str, str, str]]:
     return entries
 
 
+def layer(module: str) -> str | None:
+    """The layer of ``LAYERS`` a module belongs to (``kernels`` for all of ``kernels/``), or
+    None for a leaf (data and predicates every layer may use: ``_records``, ``_modes``,
+    ``positions``, ``_memory``, ``_launch_cache``)."""
+    rank = _rank(module)
+    return None if rank is None else LAYERS[rank]
+
+
+def layer_entries(entries) -> list[tuple[str, str, str]]:
+    """The entries from one layer into another (or from the caller into ``api``), leaves left
+    out: what "each layer entered once" counts."""
+    return [
+        (caller, callee, function)
+        for caller, callee, function in entries
+        if layer(callee) is not None and layer(caller) != layer(callee)
+    ]
+
+
 def climbs(entries) -> list[tuple[str, str, str]]:
     out = []
     for caller, callee, function in entries:
@@ -94,12 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="print every entry")
     args = parser.parse_args(argv)
     short = lambda m: m.removeprefix("mlarope.")
-    print("| call | which | entries | modules | entered more than once | climbs |")
+    print("| call | which | module entries | layers entered | entered more than once | climbs |")
     print("|---|---|---|---|---|---|")
     for name, call in cases().items():
-        for which in ("first", "replayed"):
+        for which in ("first", "second", "replayed"):
             entries = trace(call)
-            counts = Counter(short(callee) for _, callee, _ in entries)
+            if which == "second":  # a call that needs autograd records its backward's plan
+                continue
+            counts = Counter(layer(callee) for _, callee, _ in layer_entries(entries))
             again = ", ".join(f"{m} {n}x" for m, n in counts.most_common() if n > 1) or "-"
             up = climbs(entries)
             print(f"| {name} | {which} | {len(entries)} | {len(counts)} | {again} | {len(up)} |")

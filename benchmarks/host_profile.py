@@ -67,7 +67,7 @@ def main() -> None:
     q_signature = _plans.query_signature(
         q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False, False
     )
-    q_plan = _plans.find(q_signature)
+    q_plan = _plans._entry(q_signature)
     calls = {
         "apply_rope_q inplace": lambda: mlarope.apply_rope_q(
             q, cos, sin, layout="thd", position_ids=ids, inplace=True
@@ -95,7 +95,7 @@ def main() -> None:
         "q plan signature (query_signature)": lambda: _plans.query_signature(
             q, cos, sin, "thd", None, ids, 0, 1, True, False, False, True, False, False
         ),
-        "q plan lookup (find: dict + guard)": lambda: _plans.find(q_signature),
+        "q plan lookup (_entry: dict + guard)": lambda: _plans._entry(q_signature),
         "q plan, in place (launch only)": lambda: q_plan((q, cos, sin, ids)),
         "torch.empty [1, 128, 192]": lambda: torch.empty(
             (1, 128, 192), dtype=torch.bfloat16, device=dev

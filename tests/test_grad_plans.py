@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mlarope
-from mlarope import _plans, reference
+from mlarope import _launch_plans, _plans, reference
 from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
 
 T, H, N, R, P = 6, 3, 16, 32, 64
@@ -25,7 +25,7 @@ REPLAYED = "_ReplayedBackward"
 @pytest.fixture(autouse=True, params=["TensorGuards", "python"])
 def _fresh_plans(request, monkeypatch):
     if request.param == "python":
-        monkeypatch.setattr(_plans, "_TensorGuards", None)
+        monkeypatch.setattr(_launch_plans, "_TensorGuards", None)
     clear_launch_cache()
     yield
     clear_launch_cache()

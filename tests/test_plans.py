@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mlarope
-from mlarope import _plans, api, reference
+from mlarope import _launch_plans, api, reference
 from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
 
 T, H, N, R, P = 6, 3, 16, 32, 64
@@ -22,7 +22,7 @@ K, V = 16, 8
 def _fresh_plans(request, monkeypatch):
     """Every test runs with the C++ metadata guard and with the Python fallback."""
     if request.param == "python":
-        monkeypatch.setattr(_plans, "_TensorGuards", None)
+        monkeypatch.setattr(_launch_plans, "_TensorGuards", None)
     clear_launch_cache()
     yield
     clear_launch_cache()
@@ -280,8 +280,8 @@ def test_cpu_backend_switch_is_in_the_key(monkeypatch):
 
 def test_guard_kind_names_the_guard():
     """``mlarope info`` says which guard runs (the fixture runs each test with both)."""
-    expected = "Python" if _plans._TensorGuards is None else "TensorGuards (C++)"
-    assert _plans.guard_kind() == expected
+    expected = "Python" if _launch_plans._TensorGuards is None else "TensorGuards (C++)"
+    assert _launch_plans.guard_kind() == expected
 
 
 @pytest.mark.parametrize("op", ["q", "kv"])

@@ -113,8 +113,9 @@ def test_megatron_compat():
 @pytest.mark.parametrize("family", ["deepseek_v3", "minicpm3", "glm4_moe_lite", "deepseek_v2"])
 def test_transformers_attention_training_step(family):
     """The patched attention layer's training step, with the arguments its model passes it
-    (``benchmarks/transformers_layers.py``'s layer, small widths), and the unpatched one:
-    transformers' own layer syncs nowhere either."""
+    (``benchmarks/transformers_layers.py``'s layer, small widths), the unpatched one
+    (transformers' own layer syncs nowhere either) and the layer with its glue fused
+    (``apply_mlarope_attention``)."""
     pytest.importorskip("transformers")
     from benchmarks.transformers_layers import build, step
     from mlarope.integrations import transformers as mt
@@ -130,6 +131,14 @@ def test_transformers_attention_training_step(family):
     each_path(training_step)
     with mt.mlarope_patched(family):
         each_path(training_step)
+    if family == "deepseek_v2":
+        return  # not DeepSeek-V3's structure: the attention-level path leaves it alone
+    # The attention-level path (its latent op, in-place query, key/value op), fused on the layer.
+    assert set(mt.apply_mlarope_attention(attention).values()) == {"fused"}
+    try:
+        each_path(training_step)
+    finally:
+        mt.revert_mlarope_attention(attention)
 
 
 def test_serving_ops():

@@ -8,12 +8,12 @@ that need device data (values inside ``cu_seqlens`` and ``position_ids``) live i
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.autograd import forward_ad as _fwad
 
 from ._memory import refuse_overlap
+from ._modes import autograd_refuses_in_place, env_validation
+from ._records import KVCall, QueryCall
 from .positions import Positions, token_positions
 
 LAYOUTS = ("sbhd", "bshd", "thd")
@@ -315,18 +315,6 @@ def refuse_in_place_leaf(name: str, x: torch.Tensor) -> None:
         )
 
 
-def autograd_refuses_in_place(t: torch.Tensor) -> bool:
-    """Whether autograd forbids writing ``t`` in place: a leaf that requires grad, or a view of
-    one (``leaf[..., :]``, ``leaf.view(...)``; by ``_base``, which Dynamo traces where it cannot
-    trace ``_is_view()``)."""
-    if not (t.requires_grad and torch.is_grad_enabled()):
-        return False
-    if t.is_leaf:
-        return True
-    base = t._base
-    return base is not None and base.is_leaf
-
-
 def check_tables_constant(cos: torch.Tensor, sin: torch.Tensor) -> None:
     """mlarope does not differentiate the tables: a table that requires grad (with grad mode on)
     or carries a forward-mode tangent is rejected, on every backend, rather than get no
@@ -347,21 +335,6 @@ def check_tables_constant(cos: torch.Tensor, sin: torch.Tensor) -> None:
 def validation_requested(validate: object) -> bool:
     check_bool("validate", validate)
     return validate or env_validation()
-
-
-# os.environ's own bytes mapping (CPython on POSIX): os.environ.get costs about 1.2 us when the
-# variable is unset (a KeyError inside), a tenth of a decode call's budget; this is a dict
-# lookup. os.environ updates it on every change, so monkeypatched values are seen.
-_ENVIRON_BYTES = getattr(os.environ, "_data", None)
-_VALIDATE_KEY = b"MLAROPE_VALIDATE"
-
-
-def env_validation() -> bool:
-    """Whether ``MLAROPE_VALIDATE`` is set to something other than ``""`` or ``"0"``."""
-    if isinstance(_ENVIRON_BYTES, dict) and os.name == "posix":
-        value = _ENVIRON_BYTES.get(_VALIDATE_KEY)
-        return value is not None and value not in (b"", b"0")
-    return os.environ.get("MLAROPE_VALIDATE", "0") not in ("", "0")
 
 
 def check_positions_on_device(positions: Positions, n_tokens: int, table_rows: int) -> None:
@@ -571,3 +544,76 @@ def _check_positions_fake(*args) -> None:
 (getattr(torch.fx.node, "has_side_effect", None) or torch.fx.node._side_effectful_functions.add)(
     torch.ops.mlarope.check_positions.default
 )
+
+
+# ---------------------------------------------------------------- one call each: the records
+def check_query_call(
+    q: object, cos: object, sin: object, layout: object, cu_seqlens: object,
+    position_ids: object, cp_rank: object, cp_size: object, interleaved: object,
+    interleaved_out: object, inverse: object, inplace: object, inplace_backward: object,
+    validate: object,
+) -> tuple[torch.Tensor, QueryCall]:  # fmt: skip
+    """Every check of an ``apply_rope_q`` call -> ``(q, its record)``: the arguments, the
+    in-place rule, and with validation the device data."""
+    q, cos2d, sin2d, positions = check_q_call(
+        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+        interleaved_out, inverse,
+    )  # fmt: skip
+    if check_bool("inplace", inplace):
+        reads = (
+            ("cos", cos2d), ("sin", sin2d), ("position_ids", positions.position_ids),
+            ("cu_seqlens", positions.cu_seqlens),
+        )  # fmt: skip
+        check_inplace_target("q", q, reads)
+    check_bool("inplace_backward", inplace_backward)
+    if validation_requested(validate):
+        check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])
+    return q, QueryCall(
+        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
+        positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse, False,
+    )  # fmt: skip
+
+
+def check_key_value_call(
+    kv: object, k_pe: object, cos: object, sin: object, k_dim: object, layout: object,
+    cu_seqlens: object, position_ids: object, cp_rank: object, cp_size: object,
+    interleaved: object, interleaved_out: object, copy_v: object, validate: object,
+    megatron_rounding: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, KVCall]:  # fmt: skip
+    """Every check of an ``apply_rope_kv`` call -> ``(kv, k_pe [..., R], its record)``
+    (``megatron_rounding``: ``mlarope.compat.megatron``'s call)."""
+    kv, k_pe, k_dim, cos2d, sin2d, positions = check_kv_call(
+        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+        interleaved, interleaved_out,
+    )  # fmt: skip
+    check_bool("copy_v", copy_v)
+    if validation_requested(validate):
+        check_positions_on_device(positions, _n_tokens(kv), cos2d.shape[0])
+    return kv, k_pe, KVCall(
+        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
+        positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v,
+        megatron_rounding,
+    )  # fmt: skip
+
+
+def check_pair_call(
+    q: object, k: object, cos: object, sin: object, layout: object, cu_seqlens: object,
+    position_ids: object, cp_rank: object, cp_size: object, interleaved: object,
+    interleaved_out: object, inverse: object, validate: object,
+) -> tuple[torch.Tensor, torch.Tensor, QueryCall]:  # fmt: skip
+    """Every check of an ``apply_rope_qk`` call -> ``(q, k, their one record)``."""
+    q, cos2d, sin2d, positions = check_q_call(
+        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+        interleaved_out, inverse,
+    )  # fmt: skip
+    k = check_pair_key(k, q, positions.layout, cos2d.shape[-1])
+    if validation_requested(validate):
+        check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])
+    return q, k, QueryCall(
+        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
+        positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse, False,
+    )  # fmt: skip
+
+
+def _n_tokens(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() == 3 else x.shape[0] * x.shape[1]

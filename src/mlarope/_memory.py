@@ -1,5 +1,6 @@
-"""Where tensors lie in memory: byte spans, elements that share memory, and the rules that use
-them (a leaf: no mlarope imports).
+"""Where tensors lie in memory: byte spans, elements that share memory, 16-byte alignment
+(which Triton specializes on, so a launch plan's key holds it), and the rules that use them (a
+leaf: no mlarope imports).
 
 An in-place kernel rotates its target through a raw pointer while other programs read the
 tables and positions: a target whose elements share memory would be rotated twice, and one
@@ -308,3 +309,19 @@ def _address(x: torch.Tensor) -> int | None:
         return x.data_ptr()
     except RuntimeError:
         return None
+
+
+def alignment(tensors: tuple) -> int | None:
+    """Every tensor's address modulo 16, 4 bits each (Triton specializes on 16-byte alignment),
+    or None if one is not a plain ``torch.Tensor`` with storage (a subclass, ``None`` where
+    a tensor belongs, vmap's batched tensors, sparse tensors): those calls take the pipeline.
+    The caller puts ``len(tensors)`` in the key beside it (with or without ``position_ids``)."""
+    bits = 0
+    try:
+        for t in tensors:
+            if t.__class__ is not torch.Tensor:
+                return None
+            bits = bits << 4 | (t.data_ptr() & 15)
+    except RuntimeError:
+        return None
+    return bits

@@ -39,25 +39,20 @@ take the pipeline.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 from torch import is_grad_enabled as _is_grad_enabled
 from torch.autograd import forward_ad as _fwad
 
-from ._checks import env_validation
+from . import autograd
 from ._launch_cache import LAUNCH_CACHE
-from ._memory import byte_span
-from .ops import use_triton
+from ._launch_plans import MAX_PER_KEY, MISSING, GradPlan, Replay, record
+from ._memory import alignment
+from ._modes import autograd_refuses_in_place, device_key, env_validation, use_triton
+from ._records import with_tensors
 
-try:
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - present in every torch this package supports
-    _TensorGuards = None
-
-_MAX_PER_KEY = 8  # guarded entries per key (same shape of the first tensor, other metadata)
-MISSING = object()  # no recorded call matches (a recorded call without a plan gives None)
+_NO_TENSORS = (None,) * 5  # a record's tensors (_records.call_tensors), for a GradPlan
 
 
 class Signature(NamedTuple):
@@ -72,131 +67,6 @@ class Signature(NamedTuple):
 # ``tuple.__new__(Signature, (key, tensors))`` makes the same object as ``Signature(key,
 # tensors)`` without the generated ``__new__``'s Python frame (0.2 µs of a decode call).
 _signature = tuple.__new__
-
-
-class Plan:
-    """The recorded launches of one call signature: ``plan(inputs)`` -> the list of outputs, or
-    None where the call must take the pipeline (an in-place target that now overlaps an
-    input it reads: the guard sees each tensor's metadata, not where the tensors lie)."""
-
-    __slots__ = ("apart", "launches", "outputs", "scratch")
-
-    def __init__(self, launches: tuple, outputs: tuple, apart: tuple = (), scratch: tuple = ()):
-        # ((launch, template, slots), ...) in launch order: the template holds the launch
-        # arguments with tensors replaced by None, slots (argument index, index into
-        # inputs + outputs + scratch).
-        self.launches = launches
-        self.outputs = outputs  # shapes of the outputs: contiguous, dtype and device of inputs[0]
-        # In place: the target's byte span and, per input it reads, (index, byte span).
-        self.apart = apart
-        self.scratch = scratch  # (shape, dtype) of each scratch buffer, on inputs[0]'s device
-
-    def fits(self, inputs: tuple[torch.Tensor, ...]) -> bool:
-        """Whether these tensors may take the recorded launches: an in-place target must lie
-        apart from what the call reads (its metadata matched, its address may not)."""
-        if not self.apart:
-            return True
-        span, reads = self.apart
-        start = inputs[0].data_ptr()
-        for index, r_span in reads:
-            r_start = inputs[index].data_ptr()
-            if start < r_start + r_span and r_start < start + span:
-                return False
-        return True
-
-    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
-        # Few Python objects per call: each one the cyclic GC tracks brings its next
-        # collection closer (docs/benchmarks.md, host overhead).
-        if self.apart and not self.fits(inputs):
-            return None
-        return self.run(inputs)
-
-    def run(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        """Allocate the outputs and make the launches (the caller checked :meth:`fits`)."""
-        if self.scratch:
-            return self.run_keeping_scratch(inputs)[0]
-        first = inputs[0]
-        outs = [first.new_empty(shape) for shape in self.outputs]
-        n_inputs = len(inputs)
-        for launch, template, slots in self.launches:
-            args = template.copy()
-            for index, source in slots:
-                args[index] = inputs[source] if source < n_inputs else outs[source - n_inputs]
-            launch(args)
-        return outs
-
-    def run_keeping_scratch(
-        self, inputs: tuple[torch.Tensor, ...]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`run`, and the scratch buffers its launches wrote (a backward reads them)."""
-        first = inputs[0]
-        outs = [first.new_empty(shape) for shape in self.outputs]
-        outs += [first.new_empty(shape, dtype=dtype) for shape, dtype in self.scratch]
-        n_inputs = len(inputs)
-        for launch, template, slots in self.launches:
-            args = template.copy()
-            for index, source in slots:
-                args[index] = inputs[source] if source < n_inputs else outs[source - n_inputs]
-            launch(args)
-        n_outputs = len(self.outputs)
-        return outs[:n_outputs], outs[n_outputs:]
-
-
-class GradPlan:
-    """An eager call that needs autograd, recorded: ``forward`` (a :class:`Plan`) is replayed
-    inside one autograd node (``autograd.replay``), whose backward replays the launches the
-    first backward of each gradient signature made (``backward``: key -> guarded entries of
-    ``(Plan or None, in_place)``; ``in_place``: the result is the incoming gradient, rotated
-    in place). ``op`` says what the node returns and differentiates: ``"q"`` (the query op),
-    ``"kv"`` (the key/value op), ``"qk"`` (two query-op tensors with one record); ``call`` is
-    the checked record without its tensors, which the replayed call's inputs provide."""
-
-    __slots__ = ("backward", "call", "forward", "inplace", "inplace_backward", "n_activations",
-                 "op", "searched")  # fmt: skip
-
-    def __init__(self, forward: Plan, replay: Replay):
-        self.forward = forward
-        # The forward searched ``cu_seqlens`` (its one scratch buffer): the caller's tables
-        # are ``cos, sin, cu_seqlens`` and the saved record ``cos, sin, cu_seqlens, searched``.
-        self.searched = bool(forward.scratch)
-        self.op = replay.op
-        self.call = replay.call
-        self.inplace = replay.inplace
-        self.inplace_backward = replay.inplace_backward
-        self.n_activations = 1 if replay.op == "q" else 2
-        self.backward: dict[tuple, list] = {}
-
-    def find_backward(self, inputs: tuple[torch.Tensor, ...]):
-        """The entry ``(Plan or None, in_place)`` recorded for a backward on ``inputs`` (the
-        gradients, then the saved tensors), or ``MISSING``."""
-        key = _alignment(inputs)
-        for guard, entry in self.backward.get(key, ()):
-            if guard(*inputs):
-                return entry
-        return MISSING
-
-    def record_backward(self, inputs: tuple, results: tuple, launches: list) -> None:
-        """Note what a backward on ``inputs`` made: ``results`` (the gradients it returned) from
-        ``launches``. A result that is ``inputs[0]`` itself was rotated in place."""
-        key = _alignment(inputs)
-        if key is None:
-            return
-        in_place = any(r is inputs[0] for r in results)
-        outputs = () if in_place else results
-        plan = _plan_from(inputs, outputs, launches) if len(results) == self.n_activations else None
-        entries = self.backward.setdefault(key, [])
-        if len(entries) >= _MAX_PER_KEY:
-            del entries[0]
-        entries.append((_guard(inputs), (plan, in_place)))
-
-
-class Replay(NamedTuple):
-    """What a recorded call needing autograd replays besides its launches (:class:`GradPlan`)."""
-
-    op: str
-    call: object  # ops.QueryCall or ops.KVCall, its tensors None
-    inplace: bool = False
-    inplace_backward: bool = False
 
 
 def _plain_call(
@@ -246,13 +116,13 @@ def query_signature(
     ):
         return None
     tensors = (q, cos, sin, *_positions(position_ids, cu_seqlens))
-    alignment = _alignment(tensors)
+    aligned = alignment(tensors)
     grad_mode = _is_grad_enabled()
-    if alignment is None or (grad_mode and q.requires_grad and _transforms_active()):
+    if aligned is None or (grad_mode and q.requires_grad and _transforms_active()):
         return None
     key = (
         "q", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, inplace,
-        inplace_backward, cu_seqlens is None, len(tensors), q.shape, alignment, _device_key(q),
+        inplace_backward, cu_seqlens is None, len(tensors), q.shape, aligned, device_key(q),
         grad_mode,
     )  # fmt: skip
     return _signature(Signature, (key, tensors))
@@ -281,16 +151,16 @@ def kv_signature(
     ):
         return None
     tensors = (kv, k_pe, cos, sin, *_positions(position_ids, cu_seqlens))
-    alignment = _alignment(tensors)
+    aligned = alignment(tensors)
     grad_mode = _is_grad_enabled()
-    if alignment is None or (
+    if aligned is None or (
         grad_mode and (kv.requires_grad or k_pe.requires_grad) and _transforms_active()
     ):
         return None
     key = (
         "kv", layout, k_dim, cp_rank, cp_size, interleaved, interleaved_out, copy_v,
-        megatron_rounding, cu_seqlens is None, len(tensors), kv.shape, alignment,
-        _device_key(kv), grad_mode,
+        megatron_rounding, cu_seqlens is None, len(tensors), kv.shape, aligned,
+        device_key(kv), grad_mode,
     )  # fmt: skip
     return _signature(Signature, (key, tensors))
 
@@ -312,9 +182,9 @@ def pair_signature(
     ):
         return None
     tensors = (q, k, cos, sin) if position_ids is None else (q, k, cos, sin, position_ids)
-    alignment = _alignment(tensors)
+    aligned = alignment(tensors)
     grad_mode = _is_grad_enabled()
-    if alignment is None or (
+    if aligned is None or (
         grad_mode
         and (q.requires_grad or k.requires_grad)
         and (q.requires_grad is not k.requires_grad or _transforms_active())
@@ -322,7 +192,7 @@ def pair_signature(
         return None
     key = (
         "qk", layout, cp_rank, cp_size, interleaved, interleaved_out, inverse, len(tensors),
-        q.shape, alignment, _device_key(q), grad_mode,
+        q.shape, aligned, device_key(q), grad_mode,
     )  # fmt: skip
     return _signature(Signature, (key, tensors))
 
@@ -338,180 +208,134 @@ def _positions(position_ids, cu_seqlens) -> tuple:
     return () if cu_seqlens is None else (cu_seqlens,)
 
 
-def _alignment(tensors: tuple) -> int | None:
-    """Every tensor's address modulo 16, 4 bits each (Triton specializes on 16-byte alignment),
-    or None if one is not a plain ``torch.Tensor`` with storage (a subclass, ``None`` where
-    a tensor belongs, vmap's batched tensors, sparse tensors): those calls take the pipeline.
-    The caller puts ``len(tensors)`` in the key beside it (with or without ``position_ids``)."""
-    bits = 0
-    try:
-        for t in tensors:
-            if t.__class__ is not torch.Tensor:
-                return None
-            bits = bits << 4 | (t.data_ptr() & 15)
-    except RuntimeError:
-        return None
-    return bits
-
-
-def _device_key(t: torch.Tensor):
-    """Triton launches on the current device, not the tensor's: a plan is per current device.
-    On the CPU the backend follows TRITON_INTERPRET (``ops.use_triton``), read on every call."""
-    if t.is_cuda:
-        return torch._C._cuda_getDevice()
-    return ("cpu", os.environ.get("TRITON_INTERPRET"))
-
-
-def find(signature: Signature | None) -> Plan | None:
-    """The plan recorded for a call with this signature, or None: the call cannot have one,
-    was recorded without one, or is yet to be recorded (:func:`recorder`)."""
-    if signature is None:
-        return None
-    key, tensors = signature
-    for guard, plan in LAUNCH_CACHE.plans.get(key, ()):
-        if guard(*tensors):
-            return plan
-    return None
-
-
 def _entry(signature: Signature):
-    """The recorded entry matching ``signature``: a Plan, None (recorded without a plan), or
-    ``MISSING``."""
+    """The recorded entry matching ``signature``: a Plan or GradPlan, None (recorded without a
+    plan), or ``MISSING``."""
     key, tensors = signature
-    for guard, plan in LAUNCH_CACHE.plans.get(key, ()):
-        if guard(*tensors):
+    for check, plan in LAUNCH_CACHE.plans.get(key, ()):
+        if check(*tensors):
             return plan
     return MISSING
 
 
-def recorder(
-    signature: Signature | None, x: torch.Tensor, replay: Replay | None = None
-) -> _Recorder:
-    """``with recorder(signature, x) as record: ... record(outputs)``: note the launches the
-    pipeline makes inside the block, and store the plan they give (or that they give none)
-    when the block ends without an exception: a :class:`GradPlan` with ``replay`` (a call that
-    needs autograd), else a :class:`Plan`. Nothing is noted for a call that cannot have a
-    plan (``signature`` None), one already recorded, or one that will launch no kernel (``x``,
-    its first tensor, runs the PyTorch backend: triton stays unimported)."""
-    return _Recorder(signature, x, replay)
-
-
-class _Recorder:
-    __slots__ = ("_launches", "_outputs", "_recording", "_replay", "_signature")
-
-    def __init__(self, signature: Signature | None, x: torch.Tensor, replay: Replay | None):
-        active = signature is not None and use_triton(x) and _entry(signature) is MISSING
-        self._signature = signature if active else None
-        self._replay = replay
-        self._outputs = None
-        self._recording = None
-
-    def __enter__(self):
-        if self._signature is not None:
-            from .kernels._launch import recording
-
-            self._recording = recording()
-            self._launches = self._recording.__enter__()
-        return self._record
-
-    def _record(self, outputs: tuple[torch.Tensor, ...]) -> None:
-        self._outputs = outputs
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self._recording is None:
-            return
-        self._recording.__exit__(exc_type, exc, tb)
-        if exc_type is None and self._outputs is not None:
-            key, tensors = self._signature
-            entries = LAUNCH_CACHE.plan_entries(key)
-            if len(entries) >= _MAX_PER_KEY:
-                del entries[0]
-            plan = _plan_from(tensors, self._outputs, self._launches)
-            if plan is not None and self._replay is not None:
-                plan = GradPlan(plan, self._replay)
-            entries.append((_guard(tensors), plan))
-
-
-def _guard(tensors: tuple[torch.Tensor, ...]):
-    """``guard(*tensors)``: True for tensors with the metadata of these."""
-    if _TensorGuards is not None:
-        try:
-            return _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
-        except (TypeError, RuntimeError):  # another torch's signature: compare in Python
-            pass
-    recorded = _metadata(tensors)
-    return lambda *now: _metadata(now) == recorded
-
-
-def guard_kind() -> str:
-    """Which guard plans use in this process (``mlarope info``)."""
-    guard = _guard((torch.empty(1),))
-    return "TensorGuards (C++)" if getattr(guard, "__self__", None) is not None else "Python"
-
-
-def _metadata(tensors) -> tuple:
-    # Inference mode too: TensorGuards sees an inference tensor differently in and out of it,
-    # and an in-place call on one is rejected outside it.
-    return (
-        torch.is_inference_mode_enabled(),
-        *((t.__class__, t.dtype, t.device, t.requires_grad, t.is_neg(), t.is_inference(),
-           t.shape, t.stride()) for t in tensors),
+def replay_query(
+    q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+    interleaved_out, inverse, inplace, inplace_backward, validate,
+):  # fmt: skip
+    """An ``apply_rope_q`` call through its recorded launches: its result (``q`` itself in
+    place), or where it must take the pipeline, a :class:`Pending` that records it (the first
+    call of its signature) or None (no plan possible, recorded without one, or the recorded
+    launches cannot take these tensors)."""
+    signature = query_signature(
+        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+        interleaved_out, inverse, inplace, inplace_backward, validate,
     )  # fmt: skip
-
-
-def _plan_from(inputs, outputs, launches) -> Plan | None:
-    if not launches:
+    if signature is None:
         return None
-    out_specs = []
-    for out in outputs:
-        # The plan allocates outputs with new_empty: the same strides (the kernel got them as
-        # integers) and, from the caching allocator, the same 16-byte alignment.
-        if out.stride() != _contiguous_strides(out.shape) or out.dtype != inputs[0].dtype:
-            return None
-        out_specs.append(tuple(out.shape))
-    scratch = getattr(launches, "scratch", ())
-    if any(not s.is_contiguous() or s.device != inputs[0].device for s in scratch):
+    if inplace is True and q.requires_grad and autograd_refuses_in_place(q):
+        return None  # a leaf: the checks refuse it (a guard does not tell a leaf)
+    plan = _entry(signature)
+    tensors = signature[1]
+    if plan.__class__ is GradPlan:
+        return autograd.replay(plan, tensors) if plan.forward.fits(tensors) else None
+    if plan is MISSING:
+        return _pending(signature, q)
+    if plan is None:
         return None
-    recorded = []
-    for launch, args in launches:
-        template, slots = [], []
-        for index, arg in enumerate(args):
-            if not isinstance(arg, torch.Tensor):
-                template.append(arg)
-                continue
-            template.append(None)
-            source = _source_of(arg, inputs, outputs)
-            if source is None:
-                # A declared scratch buffer (the first launch given it writes it whole).
-                j = next((j for j, s in enumerate(scratch) if arg is s), None)
-                if j is None:
-                    return None
-                source = len(inputs) + len(outputs) + j
-            slots.append((index, source))
-        recorded.append((launch, template, tuple(slots)))
-    apart = ()
-    if not outputs:  # in place: inputs[0] is written, the other inputs are read
-        reads = tuple((j, byte_span(t)) for j, t in enumerate(inputs) if j and byte_span(t))
-        apart = (byte_span(inputs[0]), reads) if byte_span(inputs[0]) and reads else ()
-    specs = tuple((tuple(s.shape), s.dtype) for s in scratch)
-    return Plan(tuple(recorded), tuple(out_specs), apart, specs)
+    outputs = plan(tensors)
+    if outputs is None:
+        return None
+    if inplace:
+        torch.autograd.graph.increment_version(q)
+        return q
+    return outputs[0]
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def replay_kv(
+    kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+    interleaved_out, copy_v, validate, megatron_rounding=False,
+):  # fmt: skip
+    """An ``apply_rope_kv`` call through its recorded launches (:func:`replay_query`):
+    ``(k, v)``, a :class:`Pending` or None."""
+    signature = kv_signature(
+        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+        interleaved, interleaved_out, copy_v, validate, megatron_rounding,
+    )  # fmt: skip
+    if signature is None:
+        return None
+    plan = _entry(signature)
+    if plan.__class__ is GradPlan:
+        return autograd.replay(plan, signature[1])
+    if plan is MISSING:
+        return _pending(signature, kv)
+    if plan is None:
+        return None
+    outputs = plan(signature[1])
+    return outputs[0], (outputs[1] if copy_v else kv[..., k_dim:])
 
 
-def _source_of(arg: torch.Tensor, inputs, outputs) -> int | None:
-    """Where a launch argument comes from: an output (the same tensor), or the one input with
-    its address and dtype (a view of it). None if neither, or if several inputs match: with
-    ``sin`` passed as ``cos`` too, the cos slot could not be told from the sin slot."""
-    for j, out in enumerate(outputs):
-        if arg is out:
-            return len(inputs) + j
-    ptr = arg.data_ptr()
-    matches = [j for j, t in enumerate(inputs) if t.data_ptr() == ptr and t.dtype == arg.dtype]
-    return matches[0] if len(matches) == 1 else None
+def replay_pair(
+    q, k, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+    interleaved_out, inverse, validate,
+):  # fmt: skip
+    """An ``apply_rope_qk`` call through its recorded launches (:func:`replay_query`):
+    ``(q', k')``, a :class:`Pending` or None."""
+    signature = pair_signature(
+        q, k, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+        interleaved_out, inverse, validate,
+    )  # fmt: skip
+    if signature is None:
+        return None
+    plan = _entry(signature)
+    if plan.__class__ is GradPlan:
+        return autograd.replay(plan, signature[1])
+    if plan is MISSING:
+        return _pending(signature, q)
+    if plan is None:
+        return None
+    outputs = plan(signature[1])
+    return outputs[0], outputs[1]
+
+
+def _pending(signature: Signature, x: torch.Tensor) -> Pending | None:
+    """A first call's recording, or None where it will launch no kernel (``x``, its first
+    tensor, runs the PyTorch backend: triton stays unimported)."""
+    if not use_triton(x):
+        return None
+    from .kernels._launch import start_recording
+
+    return Pending(signature, *start_recording())
+
+
+class Pending:
+    """The first call of a signature, recording: the launches the pipeline makes are noted from
+    its lookup until :meth:`finish`, the pipeline's last step, which stores the plan they give
+    (or that they give none)."""
+
+    __slots__ = ("launches", "previous", "signature")
+
+    def __init__(self, signature: Signature, launches, previous):
+        self.signature = signature
+        self.launches = launches
+        self.previous = previous
+
+    def finish(
+        self, outputs: tuple | None, op: str | None = None, call=None, inplace: bool = False,
+        inplace_backward: bool = False,
+    ) -> None:  # fmt: skip
+        """Stop recording; store what the pipeline's launches give when it returned ``outputs``
+        (None: it raised, nothing is stored). ``op`` (``"q"``, ``"kv"``, ``"qk"``) and the
+        checked ``call``: a call that needs autograd, whose plan is a :class:`GradPlan`."""
+        from .kernels._launch import stop_recording
+
+        stop_recording(self.previous)
+        if outputs is None:
+            return
+        key, tensors = self.signature
+        entries = LAUNCH_CACHE.plan_entries(key)
+        if len(entries) >= MAX_PER_KEY:
+            del entries[0]
+        replay = None
+        if op is not None:
+            replay = Replay(op, with_tensors(call, _NO_TENSORS), inplace, inplace_backward)
+        entries.append(record(tensors, outputs, self.launches, replay))

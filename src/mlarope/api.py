@@ -1,11 +1,13 @@
-"""The public calls: :func:`apply_rope_q` and :func:`apply_rope_kv`.
+"""The public calls: :func:`apply_rope_q`, :func:`apply_rope_kv` and :func:`apply_rope_qk`.
 
-Each call flows one way: its plan (``_plans``: a repeated eager call replays the launch an
-earlier call with the same metadata recorded, skipping what it provably passes) -> the
-host-side checks (``_checks``) -> the positions (``positions.Positions``) and the op's record
-(``ops.QueryCall`` / ``ops.KVCall``) -> ``autograd`` when a gradient, forward-mode AD or
-``torch.compile`` is involved -> ``ops`` -> the launcher and kernel (``kernels``) or the PyTorch
-reference.
+Each call reads top to bottom, one layer each, none calling back up (docs/architecture.md):
+
+1. ``_plans``: a repeated eager call replays the launches an earlier call with the same
+   metadata recorded, and returns; a first call gets the recording of its launches;
+2. ``_checks``: every check -> the checked tensors and the op's record (``_records``);
+3. ``autograd`` when a gradient, forward-mode AD or ``torch.compile`` is involved, else ``ops``
+   directly -> the launcher and kernel (``kernels``) or the PyTorch reference;
+4. the recording, if any, stores the call's plan (``_plans.Pending.finish``).
 """
 
 from __future__ import annotations
@@ -13,12 +15,11 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _plans
-from .autograd import needs_autograd, replay, rope_kv_differentiable, rope_q_differentiable
-from .ops import KVCall, QueryCall, rope_kv, rope_q, rope_q_, with_tensors
+from ._modes import compiling, needs_autograd
+from .autograd import rope_kv_differentiable, rope_q_differentiable
+from .ops import rope_kv, rope_q, rope_q_
 
 __all__ = ["apply_rope_kv", "apply_rope_q", "apply_rope_qk"]
-
-_NO_TENSORS = (None,) * 5  # a record's tensors (ops.call_tensors), for a GradPlan
 
 
 def apply_rope_q(
@@ -77,59 +78,31 @@ def apply_rope_q(
     Returns:
         ``[..., H, N + R]``: a new tensor, or ``q`` itself when ``inplace``.
     """
-    signature = _plans.query_signature(
+    found = _plans.replay_query(
         q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
         interleaved_out, inverse, inplace, inplace_backward, validate,
     )  # fmt: skip
-    if inplace is True and signature is not None and q.requires_grad:  # a leaf, before a plan
-        _checks.refuse_in_place_leaf("q", q)
-    plan = _plans.find(signature)
-    if plan is not None:  # a repeated eager call
-        if plan.__class__ is _plans.GradPlan:
-            if plan.forward.fits(signature.tensors):
-                return replay(plan, signature.tensors)
-        else:
-            outputs = plan(signature.tensors)
-            if outputs is not None:
-                if inplace:
-                    torch.autograd.graph.increment_version(q)
-                    return q
-                return outputs[0]
-
-    q, cos2d, sin2d, positions = _checks.check_q_call(
-        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size,
-        interleaved, interleaved_out, inverse,
-    )  # fmt: skip
-    if _checks.check_bool("inplace", inplace):
-        reads = (
-            ("cos", cos2d), ("sin", sin2d), ("position_ids", positions.position_ids),
-            ("cu_seqlens", positions.cu_seqlens),
+    if found is not None and found.__class__ is not _plans.Pending:
+        return found  # a repeated eager call
+    outputs = op = call = None
+    try:
+        q, call = _checks.check_query_call(
+            q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+            interleaved_out, inverse, inplace, inplace_backward, validate,
         )  # fmt: skip
-        _checks.check_inplace_target("q", q, reads)
-    _checks.check_bool("inplace_backward", inplace_backward)
-    if _checks.validation_requested(validate):
-        _checks.check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])
-    call = QueryCall(
-        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
-        positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse, False,
-    )  # fmt: skip
-    if torch.compiler.is_compiling() or needs_autograd(q):
-        grad_plan = _plans.Replay("q", with_tensors(call, _NO_TENSORS), inplace, inplace_backward)
-        with _plans.recorder(signature, q, grad_plan) as record:
-            out = rope_q_differentiable(q, call, inplace, inplace_backward)
-            record(() if inplace else (out,))
-        return out
-    with _plans.recorder(signature, q) as record:
-        if inplace:
+        if compiling() or needs_autograd(q):
+            out, op = rope_q_differentiable(q, call, inplace, inplace_backward), "q"
+        elif inplace:
             rope_q_(q, call)
-            outputs = ()
+            torch.autograd.graph.increment_version(q)
+            out = q
         else:
-            outputs = (rope_q(q, call),)
-        record(outputs)
-    if inplace:
-        torch.autograd.graph.increment_version(q)
-        return q
-    return outputs[0]
+            out = rope_q(q, call)
+        outputs = () if inplace else (out,)
+    finally:
+        if found is not None:
+            found.finish(outputs, op, call, inplace, inplace_backward)
+    return out
 
 
 def apply_rope_kv(
@@ -167,38 +140,28 @@ def apply_rope_kv(
     Returns:
         ``k: [..., H, K + R]`` (``kv[..., :K]`` then the rotated ``k_pe``) and ``v: [..., H, V]``.
     """
-    signature = _plans.kv_signature(
+    found = _plans.replay_kv(
         kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
         interleaved, interleaved_out, copy_v, validate,
     )  # fmt: skip
-    plan = _plans.find(signature)
-    if plan is not None:  # a repeated eager call
-        if plan.__class__ is _plans.GradPlan:
-            return replay(plan, signature.tensors)
-        outputs = plan(signature.tensors)
-        return outputs[0], (outputs[1] if copy_v else kv[..., k_dim:])
-
-    kv, k_pe, k_dim, cos2d, sin2d, positions = _checks.check_kv_call(
-        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
-        interleaved, interleaved_out,
-    )  # fmt: skip
-    _checks.check_bool("copy_v", copy_v)
-    if _checks.validation_requested(validate):
-        _checks.check_positions_on_device(positions, _n_tokens(kv), cos2d.shape[0])
-    call = KVCall(
-        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
-        positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v, False,
-    )  # fmt: skip
-    if torch.compiler.is_compiling() or needs_autograd(kv, k_pe):
-        grad_plan = _plans.Replay("kv", with_tensors(call, _NO_TENSORS))
-        with _plans.recorder(signature, kv, grad_plan) as record:
-            k, v = rope_kv_differentiable(kv, k_pe, call)
-            record((k, v) if copy_v else (k,))
-        return k, v
-    with _plans.recorder(signature, kv) as record:
-        k, v = rope_kv(kv, k_pe, call)
-        record((k, v) if copy_v else (k,))
-    return k, (v if copy_v else kv[..., k_dim:])
+    if found is not None and found.__class__ is not _plans.Pending:
+        return found  # a repeated eager call
+    outputs = op = call = None
+    try:
+        kv, k_pe, call = _checks.check_key_value_call(
+            kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
+            interleaved, interleaved_out, copy_v, validate,
+        )  # fmt: skip
+        if compiling() or needs_autograd(kv, k_pe):
+            (k, v), op = rope_kv_differentiable(kv, k_pe, call), "kv"
+        else:
+            k, v = rope_kv(kv, k_pe, call)
+            v = v if copy_v else kv[..., call.k_dim :]
+        outputs = (k, v) if copy_v else (k,)
+    finally:
+        if found is not None:
+            found.finish(outputs, op, call)
+    return k, v
 
 
 def apply_rope_qk(
@@ -234,42 +197,28 @@ def apply_rope_qk(
     Returns:
         ``(q', k')``: new tensors of ``q``'s and ``k``'s shapes.
     """
-    signature = _plans.pair_signature(
+    found = _plans.replay_pair(
         q, k, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
         interleaved_out, inverse, validate,
     )  # fmt: skip
-    plan = _plans.find(signature)
-    if plan is not None:  # a repeated eager call
-        if plan.__class__ is _plans.GradPlan:
-            return replay(plan, signature.tensors)
-        outputs = plan(signature.tensors)
-        return outputs[0], outputs[1]
-
-    q, cos2d, sin2d, positions = _checks.check_q_call(
-        q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size,
-        interleaved, interleaved_out, inverse,
-    )  # fmt: skip
-    k = _checks.check_pair_key(k, q, layout, cos2d.shape[-1])
-    if _checks.validation_requested(validate):
-        _checks.check_positions_on_device(positions, _n_tokens(q), cos2d.shape[0])
-    call = QueryCall(
-        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
-        positions.cp_rank, positions.cp_size, interleaved, interleaved_out, inverse, False,
-    )  # fmt: skip
-    if torch.compiler.is_compiling() or needs_autograd(q) or needs_autograd(k):
-        grad_plan = _plans.Replay("qk", with_tensors(call, _NO_TENSORS))
-        with _plans.recorder(signature, q, grad_plan) as record:
-            outputs = (
+    if found is not None and found.__class__ is not _plans.Pending:
+        return found  # a repeated eager call
+    outputs = op = call = None
+    try:
+        q, k, call = _checks.check_pair_call(
+            q, k, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
+            interleaved_out, inverse, validate,
+        )  # fmt: skip
+        if compiling() or needs_autograd(q) or needs_autograd(k):
+            pair = (
                 rope_q_differentiable(q, call, False, False),
                 rope_q_differentiable(k, call, False, False),
             )
-            record(outputs)
-        return outputs
-    with _plans.recorder(signature, q) as record:
-        outputs = (rope_q(q, call), rope_q(k, call))
-        record(outputs)
-    return outputs
-
-
-def _n_tokens(x: torch.Tensor) -> int:
-    return x.shape[0] if x.dim() == 3 else x.shape[0] * x.shape[1]
+            op = "qk"
+        else:
+            pair = (rope_q(q, call), rope_q(k, call))
+        outputs = pair
+    finally:
+        if found is not None:
+            found.finish(outputs, op, call)
+    return pair

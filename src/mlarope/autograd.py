@@ -22,7 +22,7 @@ the ``setup_context`` form; PyTorch binds every call of that form to its signatu
 which Dynamo cannot trace). While compiling, calls that need no gradient go to the custom ops
 directly: Dynamo cannot trace ``mark_dirty`` either.
 
-The functions' inputs are the activations, then the op's record (``ops.call_args``), then (the
+The functions' inputs are the activations, then the op's record (``_records.call_args``), then (the
 query op) ``inplace`` and ``inplace_backward``.
 """
 
@@ -36,13 +36,10 @@ from torch import Tensor
 from torch._C import _functorch
 from torch.autograd import forward_ad as _fwad
 
-from . import _plans
+from . import _launch_plans
+from ._modes import compiling, needs_autograd
+from ._records import KVCall, QueryCall, call_args, call_tensors, with_tensors
 from .ops import (
-    KVCall,
-    QueryCall,
-    call_args,
-    call_tensors,
-    compiling,
     has_memory,
     rope_kv_op,
     rope_q_inplace_op,
@@ -52,26 +49,11 @@ from .ops import (
     run_q,
     run_q_,
     search_for_backward,
-    with_tensors,
 )
 
 _N_QUERY = len(dataclasses.fields(QueryCall))
 _N_KV = len(dataclasses.fields(KVCall))
-_NO_TENSORS = (None,) * 5  # ops.call_tensors, while they are saved apart
-
-
-def needs_autograd(*tensors: Tensor) -> bool:
-    """Whether an application to ``tensors`` must go through the autograd functions: grad mode
-    is on and one of them requires grad, forward-mode AD is on, or one of them is a
-    ``torch.func`` gradient wrapper (which only the autograd functions unwrap for the kernels).
-    """
-    if _fwad._current_level >= 0:
-        return True
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return True
-    return _functorch.maybe_current_level() is not None and any(
-        _functorch.is_gradtrackingtensor(t) for t in tensors
-    )
+_NO_TENSORS = (None,) * 5  # _records.call_tensors, while they are saved apart
 
 
 def _ready(t: Tensor) -> Tensor:
@@ -468,15 +450,15 @@ def rope_kv_differentiable(kv: Tensor, k_pe: Tensor, call: KVCall) -> tuple[Tens
     return _apply_kv(kv, k_pe, search_for_backward(kv, call))
 
 
-# ----------------------------------------------------------- replayed calls (_plans.GradPlan)
+# ----------------------------------------------------- replayed calls (_launch_plans.GradPlan)
 class _Replayed(torch.autograd.Function):
-    """A recorded eager call that needs autograd (:class:`_plans.GradPlan`), replayed in one
+    """A recorded eager call that needs autograd (:class:`_launch_plans.GradPlan`), replayed in one
     node: the forward makes the recorded launches on the new tensors; the backward makes the
     launches its first backward with the same gradient metadata made, or runs the op's own
     backward (recording it) where there are none. Inputs: the plan, the activations, then the
     tensors the record reads (``cos, sin[, position_ids]``, as the caller passed them).
 
-    It saves exactly what the pipeline's nodes save (``ops.call_tensors`` of the record: the
+    It saves exactly what the pipeline's nodes save (``_records.call_tensors`` of the record: the
     tables as ``[P, R]``, the positions broadcast to the token dims; twice for ``"qk"``, whose
     pipeline is two nodes), so activation checkpointing, which compares what a recomputation
     saves with what the forward saved, sees the same tensors whichever path each one took."""
@@ -530,16 +512,11 @@ def _replayed_gradients(plan, grads: tuple, saved: tuple) -> tuple:
     # run the op's own backward: autograd records it, or the compiler traces it.
     plain = not needs_autograd(*grads) and not _in_compiled_autograd()
     if plain:
-        entry = plan.find_backward(inputs)
-        if entry is not _plans.MISSING:
-            replay, in_place = entry
-            if replay is not None and replay.fits(inputs):
-                outs = replay.run(inputs)
-                if in_place:
-                    torch.autograd.graph.increment_version(grads[0])
-                    return (grads[0],)
-                return tuple(outs)
-            return _replayed_backward(plan, grads, saved)  # recorded already: nothing to note
+        replayed = plan.replay_backward(inputs)
+        if replayed is None:  # recorded already, without a plan these gradients can take
+            return _replayed_backward(plan, grads, saved)
+        if replayed is not _launch_plans.MISSING:
+            return replayed
         from .kernels._launch import recording
 
         with recording() as launches:
@@ -550,7 +527,7 @@ def _replayed_gradients(plan, grads: tuple, saved: tuple) -> tuple:
 
 
 def _record_tensors(x: Tensor, tables: tuple, searched: bool = False, scratch=()) -> tuple:
-    """``ops.call_tensors`` of the pipeline's record for a replayed call on ``x`` with the
+    """``_records.call_tensors`` of the pipeline's record for a replayed call on ``x`` with the
     caller's ``(cos, sin[, position_ids or cu_seqlens])``: ``(cos [P, R], sin [P, R],
     cu_seqlens or None, position_ids broadcast to x's token dims or None, the forward's search
     or None)``, as ``_checks`` and ``ops.search_for_backward`` make them (``searched``: the
@@ -614,7 +591,7 @@ if _function_base_apply is not None and hasattr(_function_base_apply, "__get__")
     _apply_through_base = _function_base_apply.__get__(None, _ThroughBase)
 
 
-def replay(plan: _plans.GradPlan, inputs: tuple):
+def replay(plan: _launch_plans.GradPlan, inputs: tuple):
     """The result of a replayed call: what the pipeline's call returned (``q``'s rotation, or
     ``q`` itself in place; ``(k, v)``; ``(q', k')``), through one autograd node (an in-place
     ``q`` that reshapes its whole base: :func:`rotates_whole_base`)."""

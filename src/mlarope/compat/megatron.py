@@ -72,8 +72,7 @@ import torch
 import mlarope
 from mlarope import _checks, _plans
 from mlarope import autograd as _autograd
-from mlarope.autograd import replay, rope_kv_differentiable
-from mlarope.ops import KVCall, with_tensors
+from mlarope.autograd import rope_kv_differentiable
 
 __all__ = [
     "ROUNDING_MODES",
@@ -667,26 +666,21 @@ def _apply_rope_kv_megatron_rounding(
     with the autograd function's ``megatron_rounding`` flag set: the same forward, a backward
     whose ``k_pe`` gradient rounds where Megatron-Core's does. A repeated eager call replays its
     launches in one node, as the public call's do (``_plans.GradPlan``)."""
-    signature = _plans.kv_signature(
+    found = _plans.replay_kv(
         kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, None, cp_rank, cp_size, interleaved,
         interleaved_out, copy_v, validate, megatron_rounding=True,
     )  # fmt: skip
-    plan = _plans.find(signature)
-    if plan.__class__ is _plans.GradPlan:
-        return replay(plan, signature.tensors)
-    kv, k_pe, k_dim, cos2d, sin2d, positions = _checks.check_kv_call(
-        kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, None, cp_rank, cp_size, interleaved,
-        interleaved_out,
-    )  # fmt: skip
-    if _checks.validation_requested(validate):
-        n_tokens = kv.shape[0] if kv.dim() == 3 else kv.shape[0] * kv.shape[1]
-        _checks.check_positions_on_device(positions, n_tokens, cos2d.shape[0])
-    call = KVCall(
-        cos2d, sin2d, positions.cu_seqlens, positions.position_ids, None, positions.layout,
-        positions.cp_rank, positions.cp_size, k_dim, interleaved, interleaved_out, copy_v, True,
-    )  # fmt: skip
-    grad_plan = _plans.Replay("kv", with_tensors(call, (None,) * 5))
-    with _plans.recorder(signature, kv, grad_plan) as record:
+    if found is not None and found.__class__ is not _plans.Pending:
+        return found  # a repeated eager call
+    outputs = call = None
+    try:
+        kv, k_pe, call = _checks.check_key_value_call(
+            kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, None, cp_rank, cp_size, interleaved,
+            interleaved_out, copy_v, validate, megatron_rounding=True,
+        )  # fmt: skip
         k, v = rope_kv_differentiable(kv, k_pe, call)
-        record((k, v) if copy_v else (k,))
+        outputs = (k, v) if copy_v else (k,)
+    finally:
+        if found is not None:
+            found.finish(outputs, "kv", call)
     return k, v

@@ -67,16 +67,27 @@ def note_scratch(buffer: torch.Tensor) -> None:
         recorded.scratch.append(buffer)
 
 
-@contextlib.contextmanager
-def recording():
-    """Collect, in order, every launch this thread makes through a ``DirectLauncher`` inside
-    the block, as ``(launch, args)``, with the scratch buffers they wrote (:class:`Recorded`)."""
+def start_recording() -> tuple[Recorded, Recorded | None]:
+    """Collect, in order, every launch this thread makes through a ``DirectLauncher`` from now
+    until :func:`stop_recording` with the second value returned (what was collecting
+    before): ``(launch, args)``, with the scratch buffers they wrote (:class:`Recorded`)."""
     launches = Recorded()
     previous, _recording.launches = _recording.launches, launches
+    return launches, previous
+
+
+def stop_recording(previous: Recorded | None) -> None:
+    _recording.launches = previous
+
+
+@contextlib.contextmanager
+def recording():
+    """:func:`start_recording` for the block: ``with recording() as launches: ...``."""
+    launches, previous = start_recording()
     try:
         yield launches
     finally:
-        _recording.launches = previous
+        stop_recording(previous)
 
 
 class _Kernel:

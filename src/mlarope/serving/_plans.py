@@ -44,11 +44,14 @@ import numbers
 import torch
 from torch.autograd import forward_ad as _fwad
 
-# Core import point (the plan cache's guard and device key, the one launch cache).
-from .._checks import env_validation
 from .._launch_cache import LAUNCH_CACHE
+from .._launch_plans import MAX_PER_KEY as _MAX_PER_KEY
+from .._launch_plans import guard as _guard
 from .._memory import byte_span
-from .._plans import _MAX_PER_KEY, _device_key, _guard
+from .._modes import device_key as _device_key
+
+# Core import point (the plan cache's guard and device key, the one launch cache).
+from .._modes import env_validation
 
 MISSING = object()  # no recorded call matches (a recorded call without a plan gives None)
 _FP32_MIN_NORMAL = 2.0**-126

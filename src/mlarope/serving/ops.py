@@ -16,7 +16,8 @@ from torch import Tensor
 
 # Core import point (the backend choice, the tables' common stride).
 from .._memory import refuse_shared
-from ..ops import _same_table_strides, use_triton
+from .._modes import use_triton
+from ..ops import _same_table_strides
 from . import formats, reference
 from .checks import refuse_table_halves
 

@@ -16,7 +16,7 @@ import sys
 import torch
 
 import mlarope
-from mlarope import _plans
+from mlarope import _launch_plans
 
 from ._console import Console, Table
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         table.add_row("cuda", "not available")
     table.add_row("cpu", "Triton kernels (interpreter)" if interpreter else "PyTorch reference")
-    table.add_row("eager plan guard", _plans.guard_kind())
+    table.add_row("eager plan guard", _launch_plans.guard_kind())
     console = Console()
     console.print(table)
     console.print(_transformers_families(Table))
