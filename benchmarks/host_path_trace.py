@@ -8,9 +8,9 @@ finds the first one's launch plan (reported: the first and the third). An *entry
 call from one module of the package into another; a layer (``LAYERS``, the order the host
 path should read in, docs/architecture.md) is *entered* by an entry from another layer (leaf
 modules, which every layer may use, are not layers); a *climb* is an entry into a layer above
-the caller's. Kernel bodies run by Triton's interpreter are left out: on a GPU they are not
-host code. The counts measure "each module entered once, nothing back up"
-(docs/perf_log.md v18).
+the caller's. Kernel bodies run by Triton's interpreter are left out (on a GPU they are not
+host code), and so are module imports (once per process). The counts measure "each module
+entered once, nothing back up" (docs/perf_log.md v18).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import mlarope
 
 # Top to bottom; a module not listed (a leaf such as positions or _launch_cache) is not ranked.
-LAYERS = ("api", "_plans", "_checks", "autograd", "ops", "_launch_plans", "kernels")
+LAYERS = ("api", "_plans", "_pipeline", "_checks", "autograd", "ops", "_launch_plans", "kernels")
 
 
 def _rank(module: str) -> int | None:
@@ -56,8 +56,9 @@ def trace(call) -> list[tuple[str, str, str]]:
             if caller is None and name.startswith("mlarope"):
                 caller = name
             back = back.f_back
-        if caller is not None and caller != module:
-            entries.append((caller, module, frame.f_code.co_name))
+        function = frame.f_code.co_name
+        if caller is not None and caller != module and function != "<module>":
+            entries.append((caller, module, function))
 
     sys.setprofile(profile)
     try:

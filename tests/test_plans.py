@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mlarope
-from mlarope import _launch_plans, api, reference
+from mlarope import _launch_plans, _pipeline, reference
 from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
 
 T, H, N, R, P = 6, 3, 16, 32, 64
@@ -52,13 +52,13 @@ class PipelineCalls:
     def __init__(self, monkeypatch):
         self.q = self.kv = 0
         for name, op in (("rope_q", "q"), ("rope_q_", "q"), ("rope_kv", "kv")):
-            real = getattr(api, name)
+            real = getattr(_pipeline, name)
 
             def counted(*a, _real=real, _op=op, **k):
                 setattr(self, _op, getattr(self, _op) + 1)
                 return _real(*a, **k)
 
-            monkeypatch.setattr(api, name, counted)
+            monkeypatch.setattr(_pipeline, name, counted)
 
 
 @pytest.mark.parametrize("inplace", [False, True])

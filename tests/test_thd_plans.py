@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mlarope
-from mlarope import _plans, api, reference
+from mlarope import _pipeline, _plans, reference
 from mlarope._launch_cache import LAUNCH_CACHE, clear_launch_cache
 from mlarope.compat import megatron as compat
 
@@ -59,8 +59,8 @@ def test_q_plan_searches_the_new_cu_seqlens(inplace, device, monkeypatch):
     cos, sin = tables(device)
     pipeline = []
     for name in ("rope_q", "rope_q_"):  # the pipeline's implementations, which a plan skips
-        real = getattr(api, name)
-        monkeypatch.setattr(api, name, lambda *a, _real=real: pipeline.append(1) or _real(*a))
+        real = getattr(_pipeline, name)
+        monkeypatch.setattr(_pipeline, name, lambda *a, _real=real: pipeline.append(1) or _real(*a))
     for values in CU_SEQLENS * 2:
         cu = cu_of(values, device)
         q = torch.randn(T, H, N + R, device=device)
@@ -190,3 +190,40 @@ def test_kv_grad_plan_replays_search_forward_and_backward(device, rounding):
             for a, b in zip(result, first[tuple(values)], strict=True):
                 assert torch.equal(a, b)
     assert nodes[0] != REPLAYED and set(nodes[1:]) == {REPLAYED}
+
+
+def recorded_first_call(device):
+    """``(inputs, output, launches)`` of the pipeline of a thd call with ``cu_seqlens``, as a
+    first call runs it (two launches: the search, the rotation)."""
+    from mlarope.kernels._launch import recording
+
+    cos, sin = tables(device)
+    cu = cu_of(CU_SEQLENS[0], device)
+    q = torch.randn(T, H, N + R, device=device)
+    with recording() as launches:
+        out = _pipeline.query(q, cos, sin, "thd", cu, None, 0, 1, True, False, False, False,
+                              False, False)[0]  # fmt: skip
+    return (q, cos, sin, cu), out, launches
+
+
+def test_a_launch_the_recording_could_not_keep_gives_no_plan(device):
+    """A launch a Triton cache hook took over is noted without a kernel (``kernels._launch``):
+    the plan of the others would replay the rotation on a search nobody ran."""
+    from mlarope._launch_plans import plan_from
+
+    inputs, out, launches = recorded_first_call(device)
+    assert plan_from(inputs, (out,), launches) is not None
+    search_args = launches[0][1]
+    launches[0] = (None, search_args)
+    assert plan_from(inputs, (out,), launches) is None
+
+
+def test_a_grad_plan_saves_only_the_search(device):
+    """A call that needs autograd gets a GradPlan only where its one scratch buffer is the
+    ``cu_seqlens`` search its record says it made (the replayed node saves it as such)."""
+    from mlarope._launch_plans import Replay, record
+
+    inputs, out, launches = recorded_first_call(device)
+    bare = mlarope.ops.QueryCall(*(None,) * 5, "thd", 0, 1, True, False, False, False)
+    assert record(inputs, (out,), launches, Replay("q", bare, searched=True))[1].searched
+    assert record(inputs, (out,), launches, Replay("q", bare, searched=False))[1] is None

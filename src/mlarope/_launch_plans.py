@@ -1,7 +1,7 @@
 """The recorded launches of a call and their replay: :class:`Plan` (a call's launches, the
 tensors they read and write) and :class:`GradPlan` (with autograd: the forward's launches and,
 per gradient signature, its backward's), how they are built from a recording
-(``kernels._launch.recording``) and the guard that tells whether new tensors have a recorded
+(``_recording``) and the guard that tells whether new tensors have a recorded
 call's metadata.
 
 They sit below the autograd functions (whose replayed node and backward run them) and above
@@ -13,7 +13,7 @@ without its head dim, the tables as ``[P, R]``, broadcast ``position_ids``) is f
 input; an argument that is an output is filled with the new call's output. A call may make
 several launches (``apply_rope_qk``: two), each replayed in turn. A scratch buffer that one
 launch writes whole and a later one reads (the ``cu_seqlens`` search's positions, declared by
-``kernels._launch.note_scratch``) is allocated anew for each replay, with its recorded shape
+``_recording.note_scratch``) is allocated anew for each replay, with its recorded shape
 and dtype; a call that needs autograd saves it for its backward, as the pipeline's does.
 Anything else (a copy, a launch that reads an output no declared scratch buffer holds, no
 launch at all) gives no plan.
@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._memory import alignment, byte_span
+from ._memory import alignment, byte_span, lies_apart
 
 try:
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
@@ -56,15 +56,7 @@ class Plan:
     def fits(self, inputs: tuple[torch.Tensor, ...]) -> bool:
         """Whether these tensors may take the recorded launches: an in-place target must lie
         apart from what the call reads (its metadata matched, its address may not)."""
-        if not self.apart:
-            return True
-        span, reads = self.apart
-        start = inputs[0].data_ptr()
-        for index, r_span in reads:
-            r_start = inputs[index].data_ptr()
-            if start < r_start + r_span and r_start < start + span:
-                return False
-        return True
+        return lies_apart(inputs, self.apart)
 
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
         # Few Python objects per call: each one the cyclic GC tracks brings its next
@@ -120,7 +112,7 @@ class GradPlan:
         self.forward = forward
         # The forward searched ``cu_seqlens`` (its one scratch buffer): the caller's tables
         # are ``cos, sin, cu_seqlens`` and the saved record ``cos, sin, cu_seqlens, searched``.
-        self.searched = bool(forward.scratch)
+        self.searched = replay.searched
         self.op = replay.op
         self.call = replay.call
         self.inplace = replay.inplace
@@ -167,6 +159,7 @@ class Replay(NamedTuple):
     call: object  # _records.QueryCall or KVCall, its tensors None
     inplace: bool = False
     inplace_backward: bool = False
+    searched: bool = False  # the call searched cu_seqlens (its forward's one scratch buffer)
 
 
 def record(inputs: tuple, outputs: tuple, launches, replay: Replay | None = None) -> tuple:
@@ -176,7 +169,9 @@ def record(inputs: tuple, outputs: tuple, launches, replay: Replay | None = None
     plan is None where the launches give none."""
     plan = plan_from(inputs, outputs, launches)
     if plan is not None and replay is not None:
-        plan = GradPlan(plan, replay)
+        # A searched call's one scratch buffer is the search's positions, which the replayed
+        # node saves for its backward; any other scratch there has no place in the record.
+        plan = GradPlan(plan, replay) if len(plan.scratch) == int(replay.searched) else None
     return guard(inputs), plan
 
 
@@ -222,6 +217,8 @@ def plan_from(inputs, outputs, launches) -> Plan | None:
         return None
     recorded = []
     for launch, args in launches:
+        if launch is None:  # a launch the recording could not keep (kernels._launch)
+            return None
         template, slots = [], []
         for index, arg in enumerate(args):
             if not isinstance(arg, torch.Tensor):

@@ -325,3 +325,19 @@ def alignment(tensors: tuple) -> int | None:
     except RuntimeError:
         return None
     return bits
+
+
+def lies_apart(inputs: tuple, apart: tuple) -> bool:
+    """Whether an in-place launch plan may take ``inputs``: ``apart`` is ``()`` (nothing to
+    check) or ``(target span, ((index, span), ...))``, the byte spans of the target
+    ``inputs[0]`` and of each input it reads; their addresses must not overlap (the guard
+    matched their metadata, not where they lie)."""
+    if not apart:
+        return True
+    span, reads = apart
+    start = inputs[0].data_ptr()
+    for index, r_span in reads:
+        r_start = inputs[index].data_ptr()
+        if start < r_start + r_span and r_start < start + span:
+            return False
+    return True

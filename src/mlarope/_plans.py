@@ -4,7 +4,7 @@ and repeated calls that need autograd replay theirs in one autograd node (``Grad
 An eager call (not compiling, no validation) whose arguments have the same
 metadata as an earlier call's makes the same launch: the same compiled kernel, grid and integer
 arguments; only the tensors' addresses differ. The first such call runs the whole pipeline
-(checks -> positions -> launcher -> kernel) while ``kernels._launch.recording()`` notes its
+(checks -> positions -> launcher -> kernel) while ``_recording`` notes its
 launch; later calls with an equal key allocate the outputs, put the new tensors into the noted
 argument slots and launch: a decode call's host time goes from 24-40 µs through the pipeline
 to 10-19 µs on the H200 machine (docs/benchmarks.md, host overhead).
@@ -27,7 +27,7 @@ without its head dim, the tables as ``[P, R]``, broadcast ``position_ids``) is f
 input; an argument that is an output is filled with the new call's output. A call may make
 several launches (``apply_rope_qk``: two), each replayed in turn. A scratch buffer that one
 launch writes whole and a later one reads (the ``cu_seqlens`` search's positions, declared by
-``kernels._launch.note_scratch``) is allocated anew for each replay, with its recorded shape
+``_recording.note_scratch``) is allocated anew for each replay, with its recorded shape
 and dtype; a call that needs autograd saves it for its backward, as the pipeline's does. The
 search reads ``cu_seqlens`` on the device only, and its grid and integer arguments follow from
 the tokens and ``cu_seqlens``' length, which the key and the guard hold: so thd calls with
@@ -45,14 +45,12 @@ import torch
 from torch import is_grad_enabled as _is_grad_enabled
 from torch.autograd import forward_ad as _fwad
 
-from . import autograd
+from . import _pipeline, autograd
 from ._launch_cache import LAUNCH_CACHE
-from ._launch_plans import MAX_PER_KEY, MISSING, GradPlan, Replay, record
-from ._memory import alignment
+from ._launch_plans import MAX_PER_KEY, MISSING, GradPlan, record
+from ._memory import alignment, lies_apart
 from ._modes import autograd_refuses_in_place, device_key, env_validation, use_triton
-from ._records import with_tensors
-
-_NO_TENSORS = (None,) * 5  # a record's tensors (_records.call_tensors), for a GradPlan
+from ._recording import start_recording, stop_recording
 
 
 class Signature(NamedTuple):
@@ -218,124 +216,99 @@ def _entry(signature: Signature):
     return MISSING
 
 
-def replay_query(
+def apply_query(
     q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
     interleaved_out, inverse, inplace, inplace_backward, validate,
 ):  # fmt: skip
-    """An ``apply_rope_q`` call through its recorded launches: its result (``q`` itself in
-    place), or where it must take the pipeline, a :class:`Pending` that records it (the first
-    call of its signature) or None (no plan possible, recorded without one, or the recorded
-    launches cannot take these tensors)."""
-    signature = query_signature(
+    """``apply_rope_q``: a repeated eager call replays the launches its signature's first call
+    recorded (``q`` itself in place); a first call runs the pipeline (``_pipeline.query``)
+    recording them, and any other call the pipeline alone."""
+    args = (
         q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
         interleaved_out, inverse, inplace, inplace_backward, validate,
     )  # fmt: skip
-    if signature is None:
-        return None
-    if inplace is True and q.requires_grad and autograd_refuses_in_place(q):
-        return None  # a leaf: the checks refuse it (a guard does not tell a leaf)
-    plan = _entry(signature)
-    tensors = signature[1]
-    if plan.__class__ is GradPlan:
-        return autograd.replay(plan, tensors) if plan.forward.fits(tensors) else None
-    if plan is MISSING:
-        return _pending(signature, q)
-    if plan is None:
-        return None
-    outputs = plan(tensors)
-    if outputs is None:
-        return None
-    if inplace:
-        torch.autograd.graph.increment_version(q)
-        return q
-    return outputs[0]
+    signature = query_signature(*args)
+    # A leaf in place: the pipeline's checks refuse it (a guard does not tell a leaf).
+    if signature is not None and not (
+        inplace is True and q.requires_grad and autograd_refuses_in_place(q)
+    ):
+        plan = _entry(signature)
+        tensors = signature[1]
+        if plan.__class__ is GradPlan:
+            if lies_apart(tensors, plan.forward.apart):
+                return autograd.replay(plan, tensors)
+        elif plan is MISSING:
+            return _recorded(signature, _pipeline.query, args)
+        elif plan is not None:
+            outputs = plan(tensors)
+            if outputs is not None:
+                if inplace:
+                    torch.autograd.graph.increment_version(q)
+                    return q
+                return outputs[0]
+    return _pipeline.query(*args)[0]
 
 
-def replay_kv(
+def apply_kv(
     kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
     interleaved_out, copy_v, validate, megatron_rounding=False,
 ):  # fmt: skip
-    """An ``apply_rope_kv`` call through its recorded launches (:func:`replay_query`):
-    ``(k, v)``, a :class:`Pending` or None."""
-    signature = kv_signature(
+    """``apply_rope_kv`` (and, with ``megatron_rounding``, ``mlarope.compat.megatron``'s
+    differentiable key/value call), as :func:`apply_query`: ``(k, v)``."""
+    args = (
         kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
         interleaved, interleaved_out, copy_v, validate, megatron_rounding,
     )  # fmt: skip
-    if signature is None:
-        return None
-    plan = _entry(signature)
-    if plan.__class__ is GradPlan:
-        return autograd.replay(plan, signature[1])
-    if plan is MISSING:
-        return _pending(signature, kv)
-    if plan is None:
-        return None
-    outputs = plan(signature[1])
-    return outputs[0], (outputs[1] if copy_v else kv[..., k_dim:])
+    signature = kv_signature(*args)
+    if signature is not None:
+        plan = _entry(signature)
+        if plan.__class__ is GradPlan:
+            return autograd.replay(plan, signature[1])
+        if plan is MISSING:
+            return _recorded(signature, _pipeline.key_value, args)
+        if plan is not None:
+            outputs = plan(signature[1])
+            return outputs[0], (outputs[1] if copy_v else kv[..., k_dim:])
+    return _pipeline.key_value(*args)[0]
 
 
-def replay_pair(
+def apply_pair(
     q, k, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
     interleaved_out, inverse, validate,
 ):  # fmt: skip
-    """An ``apply_rope_qk`` call through its recorded launches (:func:`replay_query`):
-    ``(q', k')``, a :class:`Pending` or None."""
-    signature = pair_signature(
+    """``apply_rope_qk``, as :func:`apply_query`: ``(q', k')``."""
+    args = (
         q, k, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
         interleaved_out, inverse, validate,
     )  # fmt: skip
-    if signature is None:
-        return None
-    plan = _entry(signature)
-    if plan.__class__ is GradPlan:
-        return autograd.replay(plan, signature[1])
-    if plan is MISSING:
-        return _pending(signature, q)
-    if plan is None:
-        return None
-    outputs = plan(signature[1])
-    return outputs[0], outputs[1]
+    signature = pair_signature(*args)
+    if signature is not None:
+        plan = _entry(signature)
+        if plan.__class__ is GradPlan:
+            return autograd.replay(plan, signature[1])
+        if plan is MISSING:
+            return _recorded(signature, _pipeline.pair, args)
+        if plan is not None:
+            outputs = plan(signature[1])
+            return outputs[0], outputs[1]
+    return _pipeline.pair(*args)[0]
 
 
-def _pending(signature: Signature, x: torch.Tensor) -> Pending | None:
-    """A first call's recording, or None where it will launch no kernel (``x``, its first
-    tensor, runs the PyTorch backend: triton stays unimported)."""
-    if not use_triton(x):
-        return None
-    from .kernels._launch import start_recording
-
-    return Pending(signature, *start_recording())
-
-
-class Pending:
-    """The first call of a signature, recording: the launches the pipeline makes are noted from
-    its lookup until :meth:`finish`, the pipeline's last step, which stores the plan they give
-    (or that they give none)."""
-
-    __slots__ = ("launches", "previous", "signature")
-
-    def __init__(self, signature: Signature, launches, previous):
-        self.signature = signature
-        self.launches = launches
-        self.previous = previous
-
-    def finish(
-        self, outputs: tuple | None, op: str | None = None, call=None, inplace: bool = False,
-        inplace_backward: bool = False,
-    ) -> None:  # fmt: skip
-        """Stop recording; store what the pipeline's launches give when it returned ``outputs``
-        (None: it raised, nothing is stored). ``op`` (``"q"``, ``"kv"``, ``"qk"``) and the
-        checked ``call``: a call that needs autograd, whose plan is a :class:`GradPlan`."""
-        from .kernels._launch import stop_recording
-
-        stop_recording(self.previous)
-        if outputs is None:
-            return
-        key, tensors = self.signature
-        entries = LAUNCH_CACHE.plan_entries(key)
-        if len(entries) >= MAX_PER_KEY:
-            del entries[0]
-        replay = None
-        if op is not None:
-            replay = Replay(op, with_tensors(call, _NO_TENSORS), inplace, inplace_backward)
-        entries.append(record(tensors, outputs, self.launches, replay))
+def _recorded(signature: Signature, pipeline, args: tuple):
+    """The first call of ``signature``: ``pipeline(*args)``'s result, its launches recorded and
+    the plan they give stored (or that they give none). Nothing is recorded where it launches
+    no kernel (its first tensor runs the PyTorch backend: triton stays unimported), and
+    nothing is stored when it raises."""
+    key, tensors = signature
+    if not use_triton(tensors[0]):
+        return pipeline(*args)[0]
+    launches, previous = start_recording()
+    try:
+        result, outputs, replay = pipeline(*args)
+    finally:
+        stop_recording(previous)
+    entries = LAUNCH_CACHE.plan_entries(key)
+    if len(entries) >= MAX_PER_KEY:
+        del entries[0]
+    entries.append(record(tensors, outputs, launches, replay))
+    return result

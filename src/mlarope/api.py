@@ -3,21 +3,19 @@
 Each call reads top to bottom, one layer each, none calling back up (docs/architecture.md):
 
 1. ``_plans``: a repeated eager call replays the launches an earlier call with the same
-   metadata recorded, and returns; a first call gets the recording of its launches;
-2. ``_checks``: every check -> the checked tensors and the op's record (``_records``);
-3. ``autograd`` when a gradient, forward-mode AD or ``torch.compile`` is involved, else ``ops``
-   directly -> the launcher and kernel (``kernels``) or the PyTorch reference;
-4. the recording, if any, stores the call's plan (``_plans.Pending.finish``).
+   metadata recorded, and returns; a first call runs the pipeline recording its launches and
+   stores the plan they give; any other call runs the pipeline;
+2. ``_pipeline``: ``_checks`` (every check -> the checked tensors and the op's record,
+   ``_records``), then ``autograd`` when a gradient, forward-mode AD or ``torch.compile`` is
+   involved, else ``ops`` directly;
+3. ``ops``: the launcher and kernel (``kernels``) or the PyTorch reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _checks, _plans
-from ._modes import compiling, needs_autograd
-from .autograd import rope_kv_differentiable, rope_q_differentiable
-from .ops import rope_kv, rope_q, rope_q_
+from . import _plans
 
 __all__ = ["apply_rope_kv", "apply_rope_q", "apply_rope_qk"]
 
@@ -78,31 +76,10 @@ def apply_rope_q(
     Returns:
         ``[..., H, N + R]``: a new tensor, or ``q`` itself when ``inplace``.
     """
-    found = _plans.replay_query(
+    return _plans.apply_query(
         q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
         interleaved_out, inverse, inplace, inplace_backward, validate,
     )  # fmt: skip
-    if found is not None and found.__class__ is not _plans.Pending:
-        return found  # a repeated eager call
-    outputs = op = call = None
-    try:
-        q, call = _checks.check_query_call(
-            q, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
-            interleaved_out, inverse, inplace, inplace_backward, validate,
-        )  # fmt: skip
-        if compiling() or needs_autograd(q):
-            out, op = rope_q_differentiable(q, call, inplace, inplace_backward), "q"
-        elif inplace:
-            rope_q_(q, call)
-            torch.autograd.graph.increment_version(q)
-            out = q
-        else:
-            out = rope_q(q, call)
-        outputs = () if inplace else (out,)
-    finally:
-        if found is not None:
-            found.finish(outputs, op, call, inplace, inplace_backward)
-    return out
 
 
 def apply_rope_kv(
@@ -140,28 +117,10 @@ def apply_rope_kv(
     Returns:
         ``k: [..., H, K + R]`` (``kv[..., :K]`` then the rotated ``k_pe``) and ``v: [..., H, V]``.
     """
-    found = _plans.replay_kv(
+    return _plans.apply_kv(
         kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
         interleaved, interleaved_out, copy_v, validate,
     )  # fmt: skip
-    if found is not None and found.__class__ is not _plans.Pending:
-        return found  # a repeated eager call
-    outputs = op = call = None
-    try:
-        kv, k_pe, call = _checks.check_key_value_call(
-            kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, position_ids, cp_rank, cp_size,
-            interleaved, interleaved_out, copy_v, validate,
-        )  # fmt: skip
-        if compiling() or needs_autograd(kv, k_pe):
-            (k, v), op = rope_kv_differentiable(kv, k_pe, call), "kv"
-        else:
-            k, v = rope_kv(kv, k_pe, call)
-            v = v if copy_v else kv[..., call.k_dim :]
-        outputs = (k, v) if copy_v else (k,)
-    finally:
-        if found is not None:
-            found.finish(outputs, op, call)
-    return k, v
 
 
 def apply_rope_qk(
@@ -197,28 +156,7 @@ def apply_rope_qk(
     Returns:
         ``(q', k')``: new tensors of ``q``'s and ``k``'s shapes.
     """
-    found = _plans.replay_pair(
+    return _plans.apply_pair(
         q, k, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
         interleaved_out, inverse, validate,
     )  # fmt: skip
-    if found is not None and found.__class__ is not _plans.Pending:
-        return found  # a repeated eager call
-    outputs = op = call = None
-    try:
-        q, k, call = _checks.check_pair_call(
-            q, k, cos, sin, layout, cu_seqlens, position_ids, cp_rank, cp_size, interleaved,
-            interleaved_out, inverse, validate,
-        )  # fmt: skip
-        if compiling() or needs_autograd(q) or needs_autograd(k):
-            pair = (
-                rope_q_differentiable(q, call, False, False),
-                rope_q_differentiable(k, call, False, False),
-            )
-            op = "qk"
-        else:
-            pair = (rope_q(q, call), rope_q(k, call))
-        outputs = pair
-    finally:
-        if found is not None:
-            found.finish(outputs, op, call)
-    return pair

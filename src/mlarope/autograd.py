@@ -38,6 +38,7 @@ from torch.autograd import forward_ad as _fwad
 
 from . import _launch_plans
 from ._modes import compiling, needs_autograd
+from ._recording import recording
 from ._records import KVCall, QueryCall, call_args, call_tensors, with_tensors
 from .ops import (
     has_memory,
@@ -229,7 +230,8 @@ def rope_q_differentiable(
         if inplace:
             return q.copy_(_Q.compiled.apply(q, *call_args(call), False, False))
         return _Q.compiled.apply(q, *call_args(call), False, inplace_backward)
-    call = search_for_backward(q, call)
+    if call.cu_seqlens is not None:  # the search the backward reuses (nothing to search else)
+        call = search_for_backward(q, call)
     if inplace and rotates_whole_base(q):
         return _rotate_through_base(q, lambda x: run_q_(x, call), call, None)
     return _Q.pick().apply(q, *call_args(call), inplace, inplace_backward)
@@ -287,7 +289,7 @@ class _ThroughBase(torch.autograd.Function):
     save them, so that an in-place change to a table before the backward raises."""
 
     @staticmethod
-    def forward(ctx, base, shape, rotate, call, plan, *tables):
+    def forward(ctx, base, shape, rotate, call, plan):
         # which bumps the version counter once, as the other paths; a replayed call's rotate
         # returns what its backward reads (the tables, and the search it made)
         saved = rotate(base.view(shape))
@@ -296,7 +298,7 @@ class _ThroughBase(torch.autograd.Function):
             _save(ctx, call)
         else:
             ctx.save_for_backward(*saved)
-        ctx.shape, ctx.plan, ctx.n_tables = shape, plan, len(tables)
+        ctx.shape, ctx.plan = shape, plan
         return base
 
     @staticmethod
@@ -308,12 +310,12 @@ class _ThroughBase(torch.autograd.Function):
             g = _q_gradient(g, _call_of(plan, ctx.saved_tensors, g), False)
         else:
             g = _replayed_gradients(plan, (g,), ctx.saved_tensors)[0]
-        return (g.reshape(grad.shape), *(None,) * (4 + ctx.n_tables))
+        return (g.reshape(grad.shape), None, None, None, None)
 
 
-def _rotate_through_base(q: Tensor, rotate, call, plan, tables=()) -> Tensor:
+def _rotate_through_base(q: Tensor, rotate, call, plan) -> Tensor:
     """``q`` rotated in place by ``rotate``, declared on its base (:class:`_ThroughBase`)."""
-    _apply_through_base(q._base, q.shape, rotate, call, plan, *tables)
+    _apply_through_base(q._base, q.shape, rotate, call, plan)
     q.grad_fn  # noqa: B018 (rebuilds q's history now: a hook on a stale view crashes torch)
     return q
 
@@ -447,7 +449,9 @@ def rope_kv_differentiable(kv: Tensor, k_pe: Tensor, call: KVCall) -> tuple[Tens
             k, v = rope_kv_op(kv, k_pe, *call_args(call))
             return k, (v if call.copy_v else kv[..., call.k_dim :])
         return _KV.compiled.apply(kv, k_pe, *call_args(call))
-    return _apply_kv(kv, k_pe, search_for_backward(kv, call))
+    if call.cu_seqlens is not None:  # the search the backward reuses (nothing to search else)
+        call = search_for_backward(kv, call)
+    return _apply_kv(kv, k_pe, call)
 
 
 # ----------------------------------------------------- replayed calls (_launch_plans.GradPlan)
@@ -456,7 +460,8 @@ class _Replayed(torch.autograd.Function):
     node: the forward makes the recorded launches on the new tensors; the backward makes the
     launches its first backward with the same gradient metadata made, or runs the op's own
     backward (recording it) where there are none. Inputs: the plan, the activations, then the
-    tensors the record reads (``cos, sin[, position_ids]``, as the caller passed them).
+    tensors the record reads (``cos, sin[, position_ids or cu_seqlens]``, as the caller passed
+    them).
 
     It saves exactly what the pipeline's nodes save (``_records.call_tensors`` of the record: the
     tables as ``[P, R]``, the positions broadcast to the token dims; twice for ``"qk"``, whose
@@ -468,6 +473,7 @@ class _Replayed(torch.autograd.Function):
         outs, scratch = plan.forward.run_keeping_scratch(inputs)
         n = plan.n_activations
         ctx.plan = plan
+        ctx.n_tables = len(inputs) - n
         record = _record_tensors(inputs[0], inputs[n:], plan.searched, scratch)
         ctx.save_for_backward(*(record * 2 if plan.op == "qk" else record))
         op = plan.op
@@ -496,11 +502,11 @@ class _Replayed(torch.autograd.Function):
                 None if g is None else _q_gradient(_ready(g), _call_of(plan, saved, g), False)
                 for g in grads
             )
-            return (None, *results, *(None,) * (len(saved)))
+            return (None, *results, *(None,) * ctx.n_tables)
         results = _replayed_gradients(plan, tuple(_ready(g) for g in grads), saved)
         if plan.op == "kv":
             results = (results[0], results[1].view(ctx.k_pe_shape))
-        return (None, *results, *(None,) * (len(saved)))
+        return (None, *results, *(None,) * ctx.n_tables)
 
 
 def _replayed_gradients(plan, grads: tuple, saved: tuple) -> tuple:
@@ -517,8 +523,6 @@ def _replayed_gradients(plan, grads: tuple, saved: tuple) -> tuple:
             return _replayed_backward(plan, grads, saved)
         if replayed is not _launch_plans.MISSING:
             return replayed
-        from .kernels._launch import recording
-
         with recording() as launches:
             results = _replayed_backward(plan, grads, saved)
         plan.record_backward(inputs, results, launches)

@@ -70,9 +70,8 @@ from typing import NoReturn
 import torch
 
 import mlarope
-from mlarope import _checks, _plans
+from mlarope import _modes, _plans
 from mlarope import autograd as _autograd
-from mlarope.autograd import rope_kv_differentiable
 
 __all__ = [
     "ROUNDING_MODES",
@@ -286,7 +285,7 @@ def _rope_q(
     fn: str, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool, kwargs: dict
 ) -> torch.Tensor:
     with _from(fn, "apply_rope_q", "its q is t, its cu_seqlens is cu_seqlens_q"):
-        if inplace and _checks.autograd_refuses_in_place(t):
+        if inplace and _modes.autograd_refuses_in_place(t):
             if torch.compiler.is_compiling():
                 # Dynamo loses the alias's autograd edge: rotate out of place, write the values
                 # back into the leaf outside autograd (its version counter moves), and return
@@ -666,21 +665,7 @@ def _apply_rope_kv_megatron_rounding(
     with the autograd function's ``megatron_rounding`` flag set: the same forward, a backward
     whose ``k_pe`` gradient rounds where Megatron-Core's does. A repeated eager call replays its
     launches in one node, as the public call's do (``_plans.GradPlan``)."""
-    found = _plans.replay_kv(
+    return _plans.apply_kv(
         kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, None, cp_rank, cp_size, interleaved,
         interleaved_out, copy_v, validate, megatron_rounding=True,
     )  # fmt: skip
-    if found is not None and found.__class__ is not _plans.Pending:
-        return found  # a repeated eager call
-    outputs = call = None
-    try:
-        kv, k_pe, call = _checks.check_key_value_call(
-            kv, k_pe, cos, sin, k_dim, layout, cu_seqlens, None, cp_rank, cp_size, interleaved,
-            interleaved_out, copy_v, validate, megatron_rounding=True,
-        )  # fmt: skip
-        k, v = rope_kv_differentiable(kv, k_pe, call)
-        outputs = (k, v) if copy_v else (k,)
-    finally:
-        if found is not None:
-            found.finish(outputs, "kv", call)
-    return k, v

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._recording import note_scratch
 from ..positions import PADDING_POSITION, SEARCH_FANOUT, search_steps
-from ._launch import DirectLauncher, note_scratch
+from ._launch import DirectLauncher
 from ._triton_compat import loop_bound
 
 # Position sources: the rotation kernels' constexpr POS_MODE (the modes from POS_SEARCHED on

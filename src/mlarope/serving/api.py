@@ -277,6 +277,6 @@ def _recording(signature, first: torch.Tensor):
     """Note the call's launches when it is to get a plan and runs a kernel."""
     if signature is None or not ops.use_triton(first):
         return contextlib.nullcontext()
-    from ..kernels._launch import recording
+    from .._recording import recording
 
     return recording()
