@@ -273,3 +273,34 @@ def test_a_bf16_model_is_fused(device):
     model = v3_model(device, rope_interleave=True).to(torch.bfloat16)
     model.config._attn_implementation = "sdpa"
     assert mt.apply_mlarope_attention(model) == {"DeepseekV3Attention": "fused"}
+
+
+def test_a_fused_layer_compiles_whole(device, op_calls):
+    """``torch.compile(fullgraph=True)`` of a fused attention layer (the whole model does not
+    compile whole: transformers' MoE loops over the experts it hits): one graph, the values and
+    gradients of the eager fused layer bit for bit."""
+    from benchmarks.transformers_layers import _fresh, build
+
+    config, attention, _, _, kwargs, _ = build("deepseek_v3", device, 16, tiny=True)
+    attention = attention.float()
+    kwargs = {k: tuple(t.float() for t in v) if isinstance(v, tuple) else v
+              for k, v in kwargs.items()}  # fmt: skip
+    assert mt.apply_mlarope_attention(attention) == {"DeepseekV3Attention": "fused"}
+    x = torch.randn(1, 16, config.get_text_config().hidden_size, device=device)
+    g = torch.randn(1, 16, config.get_text_config().hidden_size, device=device)
+    results = []
+    for layer in (attention, torch.compile(attention, fullgraph=True, backend="aot_eager")):
+        for p in attention.parameters():
+            p.grad = None
+        xx = x.clone().requires_grad_(True)
+        before = dict(op_calls)
+        out = layer(**_fresh(kwargs, xx))[0]
+        assert op_calls["rmsnorm_rope_latent"] > before["rmsnorm_rope_latent"], "fused path"
+        out.backward(g)
+        grads = [xx.grad] + [p.grad for p in attention.parameters() if p.grad is not None]
+        results.append((out.detach(), grads))
+    (eager, eager_grads), (compiled, compiled_grads) = results
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert len(compiled_grads) == len(eager_grads)
+    for a, b in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
