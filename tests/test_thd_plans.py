@@ -227,3 +227,68 @@ def test_a_grad_plan_saves_only_the_search(device):
     bare = mlarope.ops.QueryCall(*(None,) * 5, "thd", 0, 1, True, False, False, False)
     assert record(inputs, (out,), launches, Replay("q", bare, searched=True))[1].searched
     assert record(inputs, (out,), launches, Replay("q", bare, searched=False))[1] is None
+
+
+def test_double_backward_and_forward_ad_through_a_replayed_thd_node(device):
+    """Second order through the replayed node (its backward is the op's own, recorded by
+    autograd, with the saved search) and forward-mode AD (never a plan: a tangent is not
+    metadata), each call its own ``cu_seqlens``: bit for bit the pipeline's."""
+    from torch.autograd import forward_ad as fwAD
+
+    cos, sin = tables(device)
+    q0, g0, w = (torch.randn(T, H, N + R, device=device) for _ in range(3))
+    first, nodes = {}, []
+    for i, values in enumerate(CU_SEQLENS * 2):
+        cu = cu_of(values, device)
+        leaf, g = q0.clone().requires_grad_(True), g0.clone().requires_grad_(True)
+        out = mlarope.apply_rope_q(leaf, cos, sin, layout="thd", cu_seqlens=cu)
+        nodes.append(type(out.grad_fn).__name__)
+        (dq,) = torch.autograd.grad(out, leaf, g, create_graph=True)
+        (dg,) = torch.autograd.grad((dq * w).sum(), g)
+        with fwAD.dual_level():
+            dual = mlarope.apply_rope_q(fwAD.make_dual(q0, w), cos, sin, layout="thd",
+                                        cu_seqlens=cu)  # fmt: skip
+            tangent = fwAD.unpack_dual(dual).tangent.clone()
+        close(tangent, q_truth(w, cos, sin, cu))  # the op is linear: its tangent is R w
+        result = (out.detach(), dq.detach(), dg, tangent)
+        if i < len(CU_SEQLENS):
+            first[tuple(values)] = result
+        else:
+            for a, b in zip(result, first[tuple(values)], strict=True):
+                assert torch.equal(a, b)
+    assert nodes[0] != REPLAYED and set(nodes[1:]) == {REPLAYED}
+
+
+@pytest.mark.parametrize("op", ["q", "kv"])
+def test_activation_checkpointing_of_a_thd_call(device, op):
+    """Non-reentrant checkpointing compares what the recomputation saves with what the forward
+    saved: the pipeline's node and the replayed one save the same tensors (the search among
+    them), whichever ran first."""
+    from torch.utils.checkpoint import checkpoint
+
+    cos, sin = tables(device)
+    cu = cu_of(CU_SEQLENS[2], device)
+    x0 = torch.randn(T, H, K + R, device=device)
+    k0 = torch.randn(T, 1, R, device=device)
+
+    def layer(x, k):
+        if op == "q":
+            outs = (mlarope.apply_rope_q(x * 1, cos, sin, layout="thd", cu_seqlens=cu,
+                                         inplace=True),)  # fmt: skip
+        else:
+            outs = mlarope.apply_rope_kv(x * 1, k * 1, cos, sin, k_dim=K, layout="thd",
+                                         cu_seqlens=cu)  # fmt: skip
+        return sum((o * o).sum() for o in outs)
+
+    grads = []
+    for i in range(4):
+        x, k = x0.clone().requires_grad_(), k0.clone().requires_grad_()
+        checkpoint(layer, x, k, use_reentrant=False).backward()
+        grads.append((x.grad, k.grad))
+        if i == 1:
+            clear_launch_cache()
+    for g in grads[1:]:
+        assert torch.equal(g[0], grads[0][0])
+        assert (g[1] is None) == (grads[0][1] is None)
+        if g[1] is not None:
+            assert torch.equal(g[1], grads[0][1])

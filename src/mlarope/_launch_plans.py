@@ -67,31 +67,23 @@ class Plan:
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Allocate the outputs and make the launches (the caller checked :meth:`fits`)."""
-        if self.scratch:
-            return self.run_keeping_scratch(inputs)[0]
         first = inputs[0]
         outs = [first.new_empty(shape) for shape in self.outputs]
+        if self.scratch:
+            outs += [first.new_empty(shape, dtype=dtype) for shape, dtype in self.scratch]
         n_inputs = len(inputs)
         for launch, template, slots in self.launches:
             args = template.copy()
             for index, source in slots:
                 args[index] = inputs[source] if source < n_inputs else outs[source - n_inputs]
             launch(args)
-        return outs
+        return outs  # the outputs, then the scratch buffers
 
     def run_keeping_scratch(
         self, inputs: tuple[torch.Tensor, ...]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`run`, and the scratch buffers its launches wrote (a backward reads them)."""
-        first = inputs[0]
-        outs = [first.new_empty(shape) for shape in self.outputs]
-        outs += [first.new_empty(shape, dtype=dtype) for shape, dtype in self.scratch]
-        n_inputs = len(inputs)
-        for launch, template, slots in self.launches:
-            args = template.copy()
-            for index, source in slots:
-                args[index] = inputs[source] if source < n_inputs else outs[source - n_inputs]
-            launch(args)
+        """:meth:`run`, its outputs apart from the scratch buffers (a backward reads them)."""
+        outs = self.run(inputs)
         n_outputs = len(self.outputs)
         return outs[:n_outputs], outs[n_outputs:]
 
@@ -134,7 +126,7 @@ class GradPlan:
                 if in_place:
                     torch.autograd.graph.increment_version(inputs[0])
                     return (inputs[0],)
-                return tuple(outs)
+                return tuple(outs[: len(plan.outputs)])
         return MISSING
 
     def record_backward(self, inputs: tuple, results: tuple, launches: list) -> None:

@@ -21,20 +21,13 @@ its graphs with; a Python comparison of the same fields and inference mode where
 missing). So a call can only take a plan if the full pipeline would pass every check and make
 the very same launch. Calls under forward-mode AD never take one (a tangent is not metadata).
 
-The kernels see a tensor argument only through its address and dtype (every stride is an
-integer argument). A launch argument that is a view of an input with the same address (``k_pe``
-without its head dim, the tables as ``[P, R]``, broadcast ``position_ids``) is filled with that
-input; an argument that is an output is filled with the new call's output. A call may make
-several launches (``apply_rope_qk``: two), each replayed in turn. A scratch buffer that one
-launch writes whole and a later one reads (the ``cu_seqlens`` search's positions, declared by
-``_recording.note_scratch``) is allocated anew for each replay, with its recorded shape
-and dtype; a call that needs autograd saves it for its backward, as the pipeline's does. The
-search reads ``cu_seqlens`` on the device only, and its grid and integer arguments follow from
-the tokens and ``cu_seqlens``' length, which the key and the guard hold: so thd calls with
-``cu_seqlens`` (Megatron-Core's packed batches) replay too. Anything else (a copy, a launch
-that reads an output no declared scratch buffer holds, no launch at all, an input of a tensor
-subclass or without storage, a layout that is not a str) gets no plan, and such calls always
-take the pipeline.
+How a recorded call's launches are filled with a new call's tensors (views, outputs, the
+``cu_seqlens`` search's scratch buffer) is :mod:`mlarope._launch_plans`'s part. The search
+reads ``cu_seqlens`` on the device only, and its grid and integer arguments follow from the
+tokens and ``cu_seqlens``' length, which the key and the guard hold: so thd calls with
+``cu_seqlens`` (Megatron-Core's packed batches) replay too. A call whose launches give no plan
+(a copy, no launch at all), or whose tensors cannot be keyed (a tensor subclass or one without
+storage, a layout that is not a str), always takes the pipeline.
 """
 
 from __future__ import annotations
