@@ -25,7 +25,15 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 import mlarope
 from mlarope.integrations import transformers as mt
-from tests.deepseek_harness import BATCH, SEQ, noise_bounds, run_model, v3_model
+from tests.deepseek_harness import (
+    BATCH,
+    SEQ,
+    needs_v2,
+    noise_bounds,
+    run_model,
+    v2_model,
+    v3_model,
+)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -131,23 +139,27 @@ def _layout_keeping_attention(module, query, key, value, attention_mask, **kwarg
     return _LayoutKeepingAttention.apply(query, key, value).transpose(1, 2), None
 
 
-def _one_layer_copies(device, fuse):
+def _one_layer_copies(device, fuse, make_model=None):
     from transformers import AttentionInterface
 
     AttentionInterface.register("mlarope_test_layout_keeping", _layout_keeping_attention)
-    model = v3_model(device, rope_interleave=True, heads=4, q_lora_rank=32)
+    if make_model is None:
+        model = v3_model(device, rope_interleave=True, heads=4, q_lora_rank=32)
+    else:
+        model = make_model(device)
     model.config._attn_implementation = "mlarope_test_layout_keeping"
     if fuse:
-        assert mt.apply_mlarope_attention(model) == {"DeepseekV3Attention": "fused"}
+        assert set(mt.apply_mlarope_attention(model).values()) == {"fused"}
     layer = model.model.layers[0].self_attn
     config = model.config
     x = torch.randn(BATCH, SEQ, config.hidden_size, device=device, requires_grad=True)
     positions = torch.arange(SEQ, device=device)[None]
-    cos, sin = model.model.rotary_emb(x, positions)
+    embeddings = model.model.rotary_emb(x, positions)
     heads, head = config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim
     q_or_k = BATCH * SEQ * heads * head
     with _CopyCounter({q_or_k}) as counter:
-        out, _ = layer(x, (cos, sin), None)
+        # by keyword, as transformers' decoder layers call it (the families order them apart)
+        out, _ = layer(hidden_states=x, position_embeddings=embeddings, attention_mask=None)
         out.sum().backward()
     return counter.seen
 
@@ -159,6 +171,59 @@ def test_the_fused_layer_makes_no_q_or_k_sized_copy(device):
     unfused = _one_layer_copies(device, fuse=False)
     assert unfused.count("aten.cat") >= 2, unfused  # the probe sees transformers' copies
     assert _one_layer_copies(device, fuse=True) == []
+
+
+@needs_v2
+def test_a_fused_v2_model_matches_transformers(device, op_calls):
+    """DeepSeek-V2 hands its attention complex ``freqs_cis`` (not ``(cos, sin)``) and orders its
+    forward's parameters otherwise: the probe finds the form its forward takes, the fused
+    layer rotates interleaved in and out as V2's complex product does, and the model's
+    logits and every gradient are transformers' within the rounding-noise bound (fp32; the
+    float64 model through the reference); no q- or k-sized copy is made."""
+    model = v2_model(device)
+    model64 = copy.deepcopy(model).double()
+    ids = torch.randint(0, 64, (BATCH, SEQ), device=device)
+    orig32, orig64 = run_model(model, ids, None), run_model(model64, ids, None)
+    bounds = noise_bounds(orig32, orig64)
+    assert mt.apply_mlarope_attention(model) == {"DeepseekV2Attention": "fused"}
+    for name in op_calls:
+        op_calls[name] = 0  # the probe's calls
+    fused = run_model(model, ids, None)
+    assert op_calls == {"apply_rope_q": 2, "rmsnorm_rope_latent": 2, "apply_rope_kv": 2}
+    for name, bound in bounds.items():
+        err = float((fused[name].double() - orig32[name].double()).abs().max())
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
+    mt.apply_mlarope_attention(model64)
+    fused64 = run_model(model64, ids, None)
+    for name, bound in bounds.items():
+        err = float((fused64[name] - orig64[name]).abs().max())
+        assert err <= bound, f"float64 {name}: {err:.3e} > {bound:.3e}"
+    mt.revert_mlarope_attention(model)
+
+    unfused = _one_layer_copies(device, fuse=False, make_model=v2_model)
+    assert unfused.count("aten.cat") >= 1, unfused
+    assert _one_layer_copies(device, fuse=True, make_model=v2_model) == []
+
+
+@needs_v2
+def test_a_fused_v2_layer_takes_positional_arguments_in_its_own_order(device, op_calls):
+    """V2's forward is ``(hidden_states, attention_mask, cache, position_embeddings)``, V3's
+    ``(hidden_states, position_embeddings, attention_mask, ...)``: a positional call reaches
+    the fused path by V2's order, and the result is the layer's own within rounding; a call
+    that does not bind goes to the layer's own forward, which raises as it would."""
+    model = v2_model(device).eval()
+    layer = model.model.layers[0].self_attn
+    x = torch.randn(1, 5, model.config.hidden_size, device=device)
+    freqs = model.model.rotary_emb(x, torch.arange(5, device=device)[None])
+    with torch.no_grad():
+        want = layer(x, None, None, freqs)[0]
+        mt.apply_mlarope_attention(model)
+        before = op_calls["apply_rope_q"]
+        got = layer(x, None, None, freqs)[0]
+    assert op_calls["apply_rope_q"] == before + 1
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+    with pytest.raises(TypeError, match="multiple values"):
+        layer(x, None, hidden_states=x, position_embeddings=freqs)
 
 
 def test_a_class_that_computes_otherwise_is_not_fused(device):

@@ -25,7 +25,12 @@ latent's width, ``kv_b_proj``, ``o_proj``, and ``q_proj`` or ``q_a_proj``/``q_a_
 ``q_b_proj``; ``num_heads``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
 ``kv_lora_rank``, ``scaling``), and then by what it computes: the fused forward is run once per
 class against the instance's own forward on a short random input, and a class whose outputs
-differ by more than rounding is left as it is. A KV cache keeps what transformers' attention
+differ by more than rounding is left as it is. The probe also finds the form in which the
+class takes its position embeddings: ``(cos, sin)`` tables, or DeepSeek-V2's complex
+``freqs_cis`` (adjacent pairs multiplied as complex numbers in fp32 and written back adjacent:
+mlarope rotates them interleaved in and out, by the tables ``(re, re)`` and ``(im, im)``). The
+families order their forward's parameters differently, so a call is bound by the names of the
+layer's own forward. A KV cache keeps what transformers' attention
 keeps (the latent and the rotated ``k_pe``); calls the fused path does not take (tables that
 require grad, other shapes or positional arguments) run the attention's own forward.
 """
@@ -33,6 +38,7 @@ require grad, other shapes or positional arguments) run the attention's own forw
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 import types
@@ -46,9 +52,12 @@ from ._rotation import ROPE_DIMS, _row_ids, _tables
 
 _ORIGINAL = "_mlarope_unfused_forward"  # the forward a fused attention had (bound)
 _REFUSED = "_mlarope_not_fused"  # why a layer was not fused
-# Per attention class and instance settings (_settings): whether the fused forward reproduces
-# the layer's own (True), or why not.
-_VERDICTS: dict[tuple, bool | str] = {}
+# Per attention class and instance settings (_settings): the form of position embeddings with
+# which the fused forward reproduces the layer's own (``(form,)``), or why it does not.
+_VERDICTS: dict[tuple, tuple[str] | str] = {}
+# How transformers hands position embeddings to the attention: (cos, sin) tables, or
+# DeepSeek-V2's complex freqs_cis.
+FORMS = ("cos_sin", "complex")
 _LOCK = threading.RLock()
 _IDENTITY: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -120,49 +129,97 @@ def _identity(device: torch.device, rope_dim: int) -> tuple[torch.Tensor, torch.
     return found
 
 
-def _takes(module, hidden_states, position_embeddings, args, kwargs) -> bool:
-    """The fused forward can take this call."""
-    if args:
-        return False
+def _takes(module, form, hidden_states, position_embeddings) -> bool:
+    """The fused forward can take this call: ``position_embeddings`` in the ``form`` the class's
+    probe verified (``(cos, sin): [Bc, S, R]`` or complex ``freqs_cis: [Bc, S, R / 2]``)."""
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         return False
-    if not isinstance(position_embeddings, (tuple, list)) or len(position_embeddings) != 2:
-        return False
-    cos, sin = position_embeddings
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (cos, sin)):
-        return False
+    if form == "complex":
+        complex_table = isinstance(position_embeddings, torch.Tensor)
+        if not complex_table or not position_embeddings.is_complex():
+            return False
+        tables, width = (position_embeddings,), module.qk_rope_head_dim // 2
+    else:
+        if not isinstance(position_embeddings, (tuple, list)) or len(position_embeddings) != 2:
+            return False
+        tables, width = tuple(position_embeddings), module.qk_rope_head_dim
+        if not all(isinstance(t, torch.Tensor) and not t.is_complex() for t in tables):
+            return False
+        if tables[0].shape != tables[1].shape:
+            return False
     batch, seq = hidden_states.shape[:2]
-    rope = module.qk_rope_head_dim
-    if cos.shape != sin.shape or cos.shape[1:] != (seq, rope) or cos.shape[0] not in (1, batch):
+    shape = tables[0].shape
+    if len(shape) != 3 or shape[1:] != (seq, width) or shape[0] not in (1, batch) or seq == 0:
         return False
-    if cos.is_complex() or cos.device != hidden_states.device or seq == 0:
+    if any(t.device != hidden_states.device for t in tables):
         return False
-    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tables):
         return False
     return not (
         torch.autograd.forward_ad._current_level >= 0
-        and any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in (cos, sin))
+        and any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tables)
     )
 
 
-def fused_forward(module, original, hidden_states, position_embeddings, attention_mask=None,
-                  *args, **kwargs):  # fmt: skip
+def _positional_names(forward: Callable) -> tuple[str, ...]:
+    """The names a (bound) forward takes its positional arguments by, in order."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+def _named(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict | None:
+    """``args`` and ``kwargs`` by name (``names``: the forward's positional parameters), or
+    None when they do not bind (more positional arguments, or one given twice)."""
+    if len(args) > len(names):
+        return None
+    given = dict(zip(names, args, strict=False))
+    if given.keys() & kwargs.keys():
+        return None
+    given.update(kwargs)
+    return given
+
+
+def fused_forward(module, original, form, names, *args, **kwargs):
     """The attention's forward with the glue fused (the module docstring); a call it cannot
-    take goes to ``original``, the attention's own forward."""
-    if not _takes(module, hidden_states, position_embeddings, args, kwargs):
-        return original(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
-    cache = kwargs.pop("cache", None)
-    legacy = kwargs.pop("past_key_values", None)  # the name before transformers 5.25
+    take goes to ``original``, the attention's own forward. ``form``: how the class takes its
+    position embeddings (``"cos_sin"`` or ``"complex"``); ``names``: ``original``'s positional
+    parameters (the families order them differently)."""
+    call = _named(names, args, kwargs)
+    if call is None or not _takes(
+        module, form, call.get("hidden_states"), call.get("position_embeddings")
+    ):
+        return original(*args, **kwargs)
+    hidden_states = call.pop("hidden_states")
+    position_embeddings = call.pop("position_embeddings")
+    attention_mask = call.pop("attention_mask", None)
+    cache = call.pop("cache", None)
+    legacy = call.pop("past_key_values", None)  # the name before transformers 5.25
     cache = legacy if cache is None else cache
+    kwargs = call  # the rest goes to the attention function, as transformers' forward passes it
     batch, seq = hidden_states.shape[:2]
     heads, nope, rope = module.num_heads, module.qk_nope_head_dim, module.qk_rope_head_dim
-    latent_dim, interleaved = module.kv_lora_rank, _interleaved(module)
+    latent_dim = module.kv_lora_rank
 
-    cos, sin = position_embeddings
-    rows = cos.shape[0]
-    cos2, sin2 = _tables((cos, sin), rows * seq, "first_half" if interleaved else "full")
+    if form == "complex":
+        # DeepSeek-V2: freqs_cis multiplies adjacent pairs as complex numbers, in fp32, and
+        # writes them back adjacent: interleaved in and out, tables (re, re) and (im, im).
+        rows = position_embeddings.shape[0]
+        cos2, sin2 = _tables((position_embeddings,), rows * seq, "complex")
+        interleaved = interleaved_out = True
+    else:
+        interleaved, interleaved_out = _interleaved(module), False
+        rows = position_embeddings[0].shape[0]
+        cos2, sin2 = _tables(
+            tuple(position_embeddings), rows * seq, "first_half" if interleaved else "full"
+        )
     ids = None if rows == 1 else _row_ids(rows, seq, hidden_states.device)
-    where = dict(layout="bshd", position_ids=ids, interleaved=interleaved)
+    where = dict(
+        layout="bshd", position_ids=ids, interleaved=interleaved, interleaved_out=interleaved_out
+    )
 
     if getattr(module, "q_proj", None) is not None:
         q = module.q_proj(hidden_states)
@@ -210,9 +267,10 @@ def fused_forward(module, original, hidden_states, position_embeddings, attentio
     return module.o_proj(out), weights
 
 
-def _probe(module: torch.nn.Module, original: Callable) -> bool | str:
-    """Run the fused forward against ``original`` (``module``'s own forward) on a short random
-    input (no gradient): True when they agree within rounding, else why not."""
+def _probe_input(module: torch.nn.Module, form: str) -> tuple[torch.Tensor, object]:
+    """A short random input and its position embeddings in ``form``, as transformers' rotary
+    embedding hands them over: ``(cos, sin)`` in the layer's dtype, or DeepSeek-V2's complex64
+    ``freqs_cis`` (its rotary embedding computes them in fp32 whatever the model's dtype)."""
     param = next(module.parameters())
     dtype, device = param.dtype, param.device
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -220,24 +278,49 @@ def _probe(module: torch.nn.Module, original: Callable) -> bool | str:
     hidden = getattr(module, "hidden_size", None) or module.o_proj.out_features
     x = torch.randn(1, seq, hidden, generator=gen).to(device, dtype)
     angles = 6.3 * torch.rand(1, seq, rope // 2, generator=gen, dtype=torch.float64)
+    if form == "complex":
+        return x, torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64)
     angles = torch.cat((angles, angles), dim=-1)
-    # In the layer's dtype, as transformers' rotary embedding hands them over.
-    cos, sin = (t.to(device, dtype) for t in (angles.cos(), angles.sin()))
-    # In eval mode (no dropout: both sides must draw nothing at random) and on a forked RNG
-    # (the user's random stream is left as it was).
-    training = module.training
-    try:
-        module.eval()
-        with (
-            torch.no_grad(),
-            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
-        ):
-            theirs = original(x, (cos, sin), None)[0]
-            ours = fused_forward(module, original, x, (cos, sin), None)[0]
-    except Exception as e:  # the class's own forward or ours refused the probe: not fused
-        return f"the probe raised {type(e).__name__}: {e}"
-    finally:
-        module.train(training)
+    return x, tuple(t.to(device, dtype) for t in (angles.cos(), angles.sin()))
+
+
+def _probe(module: torch.nn.Module, original: Callable) -> str | tuple[str]:
+    """Run the fused forward against ``original`` (``module``'s own forward) on a short random
+    input (no gradient), with position embeddings in each form transformers hands them over
+    (:data:`FORMS`; the first the layer's own forward takes): ``(form,)`` when they agree
+    within rounding, else why not."""
+    names = _positional_names(original)
+    refused = []
+    for form in FORMS:
+        x, embeddings = _probe_input(module, form)
+        call = dict(hidden_states=x, position_embeddings=embeddings, attention_mask=None)
+        # In eval mode (no dropout: both sides must draw nothing at random) and on a forked
+        # RNG (the user's random stream is left as it was).
+        training = module.training
+        try:
+            module.eval()
+            with (
+                torch.no_grad(),
+                torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []),
+            ):
+                try:
+                    theirs = original(**call)[0]
+                except Exception as e:  # not this form: try the next
+                    refused.append(f"{form}: {type(e).__name__}: {e}")
+                    continue
+                ours = fused_forward(module, original, form, names, **call)[0]
+        except Exception as e:  # ours refused an input the layer's own forward takes
+            return f"the probe raised {type(e).__name__}: {e}"
+        finally:
+            module.train(training)
+        return _compare(ours, theirs, x.dtype) or (form,)
+    return "the probe raised: the layer's own forward takes no form of position embeddings (" + (
+        "; ".join(refused) + ")"
+    )
+
+
+def _compare(ours: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> str:
+    """Why the fused forward's output is not the layer's own ("" when they agree)."""
     if ours.shape != theirs.shape or ours.dtype != theirs.dtype:
         return (
             f"the fused forward gave {tuple(ours.shape)} {ours.dtype}, the attention's own "
@@ -249,7 +332,7 @@ def _probe(module: torch.nn.Module, original: Callable) -> bool | str:
     diff = float((ours.double() - theirs.double()).norm() / theirs.double().norm().clamp_min(1e-30))
     if not diff <= tolerance:
         return f"the fused forward differs from the attention's own by {diff:.3g} (relative)"
-    return True
+    return ""
 
 
 def _settings(module: torch.nn.Module) -> tuple:
@@ -287,11 +370,13 @@ def fuse(model: torch.nn.Module) -> list[torch.nn.Module]:
             verdict = _VERDICTS.get(key)
             if verdict is None:
                 verdict = _probe(module, module.forward)
-                if verdict is True or not verdict.startswith("the probe raised"):
+                if isinstance(verdict, tuple) or not verdict.startswith("the probe raised"):
                     _VERDICTS[key] = verdict  # an exception may be the input's: not cached
-            if verdict is True:
+            if isinstance(verdict, tuple):
                 module.__dict__[_ORIGINAL] = original = module.forward
-                module.forward = functools.partial(fused_forward, module, original)
+                module.forward = functools.partial(
+                    fused_forward, module, original, verdict[0], _positional_names(original)
+                )
                 module.__dict__.pop(_REFUSED, None)
                 fused.append(module)
             else:
