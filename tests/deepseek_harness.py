@@ -38,6 +38,14 @@ try:
 except ImportError:  # older transformers: DeepSeek-V2 arrived after DeepSeek-V3
     hf_v2 = None
 
+try:
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+except ImportError:  # older transformers: no DeepSeek-V3.2
+    DeepseekV32ForCausalLM = None
+
+needs_v32 = pytest.mark.skipif(
+    DeepseekV32ForCausalLM is None, reason="the installed transformers has no DeepSeek-V3.2 model"
+)
 needs_v2 = pytest.mark.skipif(
     hf_v2 is None, reason="the installed transformers has no DeepSeek-V2 model"
 )
@@ -186,6 +194,22 @@ def v2_model(device):
     )  # fmt: skip
     torch.manual_seed(0)
     return DeepseekV2ForCausalLM(config).to(device)
+
+
+def v32_model(device, *, index_topk=4):
+    """A tiny DeepSeek-V3.2 (MLA with a DSA indexer); ``index_topk < SEQ``, so the indexer's
+    sparse mask changes the attention."""
+    config = DeepseekV32Config(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=32, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, max_position_embeddings=256, rope_parameters=dict(YARN),
+        index_topk=index_topk, index_head_dim=32, index_n_heads=2, attn_implementation="eager",
+        experts_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return DeepseekV32ForCausalLM(config).to(device)
 
 
 def run_model(model, ids, position_ids):

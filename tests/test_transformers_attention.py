@@ -29,10 +29,12 @@ from tests.deepseek_harness import (
     BATCH,
     SEQ,
     needs_v2,
+    needs_v32,
     noise_bounds,
     run_model,
     v2_model,
     v3_model,
+    v32_model,
 )  # fmt: skip
 
 
@@ -149,7 +151,10 @@ def _one_layer_copies(device, fuse, make_model=None):
         model = make_model(device)
     model.config._attn_implementation = "mlarope_test_layout_keeping"
     if fuse:
-        assert set(mt.apply_mlarope_attention(model).values()) == {"fused"}
+        assert all(
+            "fused" in v and "not fused" not in v
+            for v in mt.apply_mlarope_attention(model).values()
+        )
     layer = model.model.layers[0].self_attn
     config = model.config
     x = torch.randn(BATCH, SEQ, config.hidden_size, device=device, requires_grad=True)
@@ -157,9 +162,11 @@ def _one_layer_copies(device, fuse, make_model=None):
     embeddings = model.model.rotary_emb(x, positions)
     heads, head = config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim
     q_or_k = BATCH * SEQ * heads * head
+    above = torch.ones(SEQ, SEQ, dtype=torch.bool, device=device).triu(1)
+    causal = torch.zeros(BATCH, 1, SEQ, SEQ, device=device).masked_fill(above, float("-inf"))
     with _CopyCounter({q_or_k}) as counter:
         # by keyword, as transformers' decoder layers call it (the families order them apart)
-        out, _ = layer(hidden_states=x, position_embeddings=embeddings, attention_mask=None)
+        out = layer(hidden_states=x, position_embeddings=embeddings, attention_mask=causal)[0]
         out.sum().backward()
     return counter.seen
 
@@ -226,9 +233,67 @@ def test_a_fused_v2_layer_takes_positional_arguments_in_its_own_order(device, op
         layer(x, None, hidden_states=x, position_embeddings=freqs)
 
 
+@needs_v32
+def test_a_dsa_layer_has_its_key_and_value_fused(device, op_calls):
+    """DeepSeek-V3.2's attention runs a DSA indexer whose top-k mask the fused forward does not
+    compute, and a probe of five tokens cannot see it (its top-k keeps every token): such a
+    layer is never fused whole (a submodule with parameters the fused forward would not run).
+    Its ``expand_kv`` is: the key and value come from the key/value op, and with the indexer's
+    mask in force (``index_topk < SEQ``) the model's logits and every gradient are
+    transformers' within the rounding-noise bound (fp32 and float64); its forward and backward
+    assemble no key (the query's glue stays)."""
+    model = v32_model(device)
+    model64 = copy.deepcopy(model).double()
+    ids = torch.randint(0, 64, (BATCH, SEQ), device=device)
+    orig32, orig64 = run_model(model, ids, None), run_model(model64, ids, None)
+    bounds = noise_bounds(orig32, orig64)
+    (verdict,) = mt.apply_mlarope_attention(model).values()
+    assert verdict == (
+        "key and value fused; the whole forward not: the fused forward would not run indexer"
+    ), verdict
+    for name in op_calls:
+        op_calls[name] = 0  # the probe's calls
+    fused = run_model(model, ids, None)
+    assert op_calls["apply_rope_kv"] == 2 and op_calls["rmsnorm_rope_latent"] == 0, op_calls
+    for name, bound in bounds.items():
+        err = float((fused[name].double() - orig32[name].double()).abs().max())
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
+    mt.apply_mlarope_attention(model64)
+    fused64 = run_model(model64, ids, None)
+    for name, bound in bounds.items():
+        err = float((fused64[name] - orig64[name]).abs().max())
+        assert err <= bound, f"float64 {name}: {err:.3e} > {bound:.3e}"
+    mt.revert_mlarope_attention(model)
+    assert all("expand_kv" not in m.__dict__ for m in model.modules())
+
+    unfused = _one_layer_copies(device, fuse=False, make_model=v32_model)
+    fused_copies = _one_layer_copies(device, fuse=True, make_model=v32_model)
+    # The key's assembly (two copy_) is gone; the query's glue stays (its concatenation, the
+    # split's backward, the gradient's layout copy): the whole forward is not fused.
+    assert unfused.count("aten.copy_") == 2, unfused
+    assert fused_copies == [c for c in unfused if c != "aten.copy_"], (fused_copies, unfused)
+
+
+@needs_v32
+def test_a_dsa_layer_is_not_fused_whole_even_where_the_probe_agrees(device, monkeypatch):
+    """A probe of five tokens need not see the indexer's mask (with ``index_topk`` above the
+    probe's length it masks nothing), so a whole fused forward could pass it and be wrong on
+    long sequences: the structure rule (a submodule with parameters the fused forward would
+    not run) refuses before the probe, even a probe that agrees."""
+    from mlarope.integrations.transformers import _attention
+
+    monkeypatch.setattr(_attention, "_probe_whole", lambda module, original: ("cos_sin",))
+    model = v32_model(device, index_topk=2048)
+    (verdict,) = mt.apply_mlarope_attention(model).values()
+    assert verdict == (
+        "key and value fused; the whole forward not: the fused forward would not run indexer"
+    ), verdict
+
+
 def test_a_class_that_computes_otherwise_is_not_fused(device):
     """Found by what it computes: an attention of the same structure whose forward scales its
-    output is left as it is, with the reason."""
+    output keeps its forward, with the reason (its ``expand_kv`` is fused: the probe of that
+    alone agrees), and the model computes what it did."""
 
     class Scaled(hf_v3.DeepseekV3Attention):
         def forward(self, *args, **kwargs):
@@ -238,9 +303,15 @@ def test_a_class_that_computes_otherwise_is_not_fused(device):
     model = v3_model(device, rope_interleave=True)
     for layer in model.model.layers:
         layer.self_attn.__class__ = Scaled
+    ids = torch.randint(0, 64, (BATCH, SEQ), device=device)
+    want = model(ids).logits
     (verdict,) = mt.apply_mlarope_attention(model).values()
-    assert verdict.startswith("not fused: the fused forward differs"), verdict
+    # The whole forward is not fused; its expand_kv, which the subclass keeps, is.
+    assert verdict.startswith(
+        "key and value fused; the whole forward not: the fused forward differs"
+    ), verdict
     assert all("forward" not in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-6)
 
 
 def test_decoding_with_a_kv_cache_runs_the_fused_path(device, op_calls):

@@ -321,8 +321,11 @@ def apply_mlarope_attention(model: torch.nn.Module) -> dict[str, str]:
     """Fuse the glue around RoPE in ``model``'s DeepSeek-structured MLA attention layers (the
     attention-level path; docs/transformers.md, "The attention-level path"): the query rotated
     in place in its projection's output, the latent's RMSNorm and ``k_pe``'s rotation in one
-    op, the key and value written by the key/value op. Only this model's layers change (their
-    ``forward``). The model's rotary functions are patched too, as in a
+    op, the key and value written by the key/value op. A layer whose whole forward the fused
+    one does not reproduce (a DSA indexer or another submodule it would not run, another
+    scale or split) has its ``expand_kv`` alone replaced when that reproduces it: the key and
+    value from the key/value op, the rest the layer's own. Only this model's layers change
+    (their ``forward`` or ``expand_kv``). The model's rotary functions are patched too, as in a
     :func:`mlarope_patched` block held until :func:`revert_mlarope_attention`, for the calls
     the fused forward hands back to the layer's own (tables that require grad, other
     arguments) and the layers it does not fuse.
@@ -335,7 +338,8 @@ def apply_mlarope_attention(model: torch.nn.Module) -> dict[str, str]:
     :func:`revert_mlarope_attention`.
 
     Returns:
-        Per attention class with a ``kv_a_proj_with_mqa``: ``"fused"`` or ``"not fused: why"``.
+        Per attention class with a ``kv_a_proj_with_mqa``: ``"fused"``, ``"key and value
+        fused; the whole forward not: why"`` or ``"not fused: why"``.
 
     Raises:
         TypeError: ``model`` is not a module. ValueError / RuntimeError: as

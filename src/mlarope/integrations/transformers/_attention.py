@@ -52,6 +52,8 @@ from ._rotation import ROPE_DIMS, _row_ids, _tables
 
 _ORIGINAL = "_mlarope_unfused_forward"  # the forward a fused attention had (bound)
 _REFUSED = "_mlarope_not_fused"  # why a layer was not fused
+# A layer whose expand_kv alone is fused: why its whole forward is not.
+_KEY_VALUE_ONLY = "_mlarope_key_value_only"
 # Per attention class and instance settings (_settings): the form of position embeddings with
 # which the fused forward reproduces the layer's own (``(form,)``), or why it does not.
 _VERDICTS: dict[tuple, tuple[str] | str] = {}
@@ -88,6 +90,23 @@ def _structure(module: torch.nn.Module) -> str:
     if _modeling(module) is None:
         return "no modeling module with transformers' attention functions"
     return ""
+
+
+# The submodules the fused forward runs; a layer with another that holds parameters (a DSA
+# indexer, whose top-k mask a short probe cannot see) has its expand_kv alone fused.
+_RUN_BY_THE_FUSED_FORWARD = frozenset(
+    ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+     "kv_b_proj", "o_proj")
+)  # fmt: skip
+
+
+def _unrun_submodules(module: torch.nn.Module) -> list[str]:
+    """The submodules with parameters that the fused forward would not run."""
+    return [
+        name
+        for name, child in module.named_children()
+        if name not in _RUN_BY_THE_FUSED_FORWARD and any(True for _ in child.parameters())
+    ]
 
 
 def _modeling(module: torch.nn.Module) -> types.ModuleType | None:
@@ -244,15 +263,7 @@ def fused_forward(module, original, form, names, *args, **kwargs):
             latent.view(batch, 1, seq, latent_dim), k_pe.view(batch, 1, seq, rope),
             module.layer_idx, kwargs=kwargs,
         )  # fmt: skip
-    keys = latent.shape[-2]
-    kv = module.kv_b_proj(latent.reshape(batch, keys, latent_dim))
-    kv = kv.view(batch, keys, heads, nope + module.v_head_dim)
-    one, zero = _identity(kv.device, rope)
-    at_zero = torch.zeros(batch, keys, dtype=torch.int32, device=kv.device)
-    k, v = mlarope.apply_rope_kv(
-        kv, k_pe.reshape(batch, keys, 1, rope), one, zero, k_dim=nope, layout="bshd",
-        position_ids=at_zero, interleaved=False,
-    )  # fmt: skip
+    k, v = _key_value(module, latent, k_pe)
 
     modeling = _modeling(module)
     interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -267,10 +278,54 @@ def fused_forward(module, original, form, names, *args, **kwargs):
     return module.o_proj(out), weights
 
 
-def _probe_input(module: torch.nn.Module, form: str) -> tuple[torch.Tensor, object]:
-    """A short random input and its position embeddings in ``form``, as transformers' rotary
-    embedding hands them over: ``(cos, sin)`` in the layer's dtype, or DeepSeek-V2's complex64
-    ``freqs_cis`` (its rotary embedding computes them in fp32 whatever the model's dtype)."""
+def _key_value(
+    module: torch.nn.Module, latent: torch.Tensor, k_pe: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k: [B, T, H, N + R]`` and ``v: [B, T, H, V]`` from the latent ``[B, (1,) T, L]`` and
+    the rotated ``k_pe: [B, (1,) T, R]``: ``kv_b_proj``'s output and ``k_pe`` read once by the
+    key/value op, rotating by the identity; its backward sums ``k_pe``'s gradient over the heads
+    in the kernel."""
+    heads, nope, rope = module.num_heads, module.qk_nope_head_dim, module.qk_rope_head_dim
+    batch, keys = latent.shape[0], latent.shape[-2]
+    kv = module.kv_b_proj(latent.reshape(batch, keys, module.kv_lora_rank))
+    kv = kv.view(batch, keys, heads, nope + module.v_head_dim)
+    one, zero = _identity(kv.device, rope)
+    at_zero = torch.zeros(batch, keys, dtype=torch.int32, device=kv.device)
+    return mlarope.apply_rope_kv(
+        kv, k_pe.reshape(batch, keys, 1, rope), one, zero, k_dim=nope, layout="bshd",
+        position_ids=at_zero, interleaved=False,
+    )  # fmt: skip
+
+
+def fused_expand_kv(module, original, kv_nope, k_rot):
+    """The attention's ``expand_kv(kv_nope: [B, 1, T, L], k_rot: [B, 1, T, R])`` -> key
+    ``[B, H, T, N + R]`` and value ``[B, H, T, V]`` through the key/value op, for a layer whose
+    whole forward is not fused (the key/value-only path): no key assembled in a new tensor and
+    no head sum of ``k_rot``'s gradient in PyTorch. Other arguments go to ``original``."""
+    latent_dim, rope = module.kv_lora_rank, module.qk_rope_head_dim
+    if not (
+        isinstance(kv_nope, torch.Tensor)
+        and isinstance(k_rot, torch.Tensor)
+        and kv_nope.dim() == 4
+        and k_rot.dim() == 4
+        and kv_nope.shape[1] == 1
+        and kv_nope.shape[-1] == latent_dim
+        and k_rot.shape == (*kv_nope.shape[:-1], rope)
+        and kv_nope.shape[2] > 0
+        and k_rot.device == kv_nope.device
+    ):
+        return original(kv_nope, k_rot)
+    k, v = _key_value(module, kv_nope, k_rot)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _probe_input(
+    module: torch.nn.Module, form: str, masked: bool
+) -> tuple[torch.Tensor, object, torch.Tensor | None]:
+    """A short random input, its position embeddings in ``form`` as transformers' rotary
+    embedding hands them over (``(cos, sin)`` in the layer's dtype, or DeepSeek-V2's complex64
+    ``freqs_cis``: its rotary embedding computes them in fp32 whatever the model's dtype), and
+    a causal additive mask ``[1, 1, S, S]`` when ``masked`` (DSA layers read one) or None."""
     param = next(module.parameters())
     dtype, device = param.dtype, param.device
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -278,22 +333,29 @@ def _probe_input(module: torch.nn.Module, form: str) -> tuple[torch.Tensor, obje
     hidden = getattr(module, "hidden_size", None) or module.o_proj.out_features
     x = torch.randn(1, seq, hidden, generator=gen).to(device, dtype)
     angles = 6.3 * torch.rand(1, seq, rope // 2, generator=gen, dtype=torch.float64)
+    mask = None
+    if masked:
+        above = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
+        mask = torch.zeros(1, 1, seq, seq, dtype=dtype, device=device)
+        mask = mask.masked_fill(above, torch.finfo(dtype).min)
     if form == "complex":
-        return x, torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64)
+        return x, torch.polar(torch.ones_like(angles), angles).to(device, torch.complex64), mask
     angles = torch.cat((angles, angles), dim=-1)
-    return x, tuple(t.to(device, dtype) for t in (angles.cos(), angles.sin()))
+    return x, tuple(t.to(device, dtype) for t in (angles.cos(), angles.sin())), mask
 
 
-def _probe(module: torch.nn.Module, original: Callable) -> str | tuple[str]:
-    """Run the fused forward against ``original`` (``module``'s own forward) on a short random
-    input (no gradient), with position embeddings in each form transformers hands them over
-    (:data:`FORMS`; the first the layer's own forward takes): ``(form,)`` when they agree
-    within rounding, else why not."""
-    names = _positional_names(original)
+def _probe(
+    module: torch.nn.Module, original: Callable, ours: Callable[[str, dict], torch.Tensor]
+) -> str | tuple[str]:
+    """Run ``ours(form, call)`` against ``original(**call)`` (``module``'s own forward) on a
+    short random input (no gradient), with position embeddings in each form transformers hands
+    them over (:data:`FORMS`) and no mask, then a causal one: the first call the layer's own
+    forward takes decides. Returns ``(form,)`` when the two agree within rounding, else why
+    not."""
     refused = []
-    for form in FORMS:
-        x, embeddings = _probe_input(module, form)
-        call = dict(hidden_states=x, position_embeddings=embeddings, attention_mask=None)
+    for form, masked in ((f, m) for m in (False, True) for f in FORMS):
+        x, embeddings, mask = _probe_input(module, form, masked)
+        call = dict(hidden_states=x, position_embeddings=embeddings, attention_mask=mask)
         # In eval mode (no dropout: both sides must draw nothing at random) and on a forked
         # RNG (the user's random stream is left as it was).
         training = module.training
@@ -306,17 +368,43 @@ def _probe(module: torch.nn.Module, original: Callable) -> str | tuple[str]:
                 try:
                     theirs = original(**call)[0]
                 except Exception as e:  # not this form: try the next
-                    refused.append(f"{form}: {type(e).__name__}: {e}")
+                    refused.append(f"{form}{', masked' if masked else ''}: {type(e).__name__}: {e}")
                     continue
-                ours = fused_forward(module, original, form, names, **call)[0]
+                got = ours(form, call)
         except Exception as e:  # ours refused an input the layer's own forward takes
             return f"the probe raised {type(e).__name__}: {e}"
         finally:
             module.train(training)
-        return _compare(ours, theirs, x.dtype) or (form,)
+        return _compare(got, theirs, x.dtype) or (form,)
     return "the probe raised: the layer's own forward takes no form of position embeddings (" + (
         "; ".join(refused) + ")"
     )
+
+
+def _probe_whole(module: torch.nn.Module, original: Callable) -> str | tuple[str]:
+    """:func:`_probe` of the fused forward."""
+    names = _positional_names(original)
+    return _probe(
+        module, original, lambda form, call: fused_forward(module, original, form, names, **call)[0]
+    )
+
+
+def _probe_key_value(module: torch.nn.Module, original: Callable) -> str | tuple[str]:
+    """:func:`_probe` of the layer's own forward with :func:`fused_expand_kv` as its
+    ``expand_kv``."""
+
+    def ours(form: str, call: dict) -> torch.Tensor:
+        module.__dict__["expand_kv"] = functools.partial(fused_expand_kv, module, module.expand_kv)
+        try:
+            return original(**call)[0]
+        finally:
+            del module.__dict__["expand_kv"]
+
+    if not callable(getattr(type(module), "expand_kv", None)):
+        return "no expand_kv method"
+    if "expand_kv" in module.__dict__:
+        return "the layer has an expand_kv of its own (an instance attribute)"
+    return _probe(module, original, ours)
 
 
 def _compare(ours: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> str:
@@ -351,13 +439,27 @@ def _settings(module: torch.nn.Module) -> tuple:
     return (type(module), attrs, absent, _interleaved(module))
 
 
+def _verdict(key: tuple, probe: Callable[[], str | tuple[str]]) -> str | tuple[str]:
+    """The probe's verdict for the settings ``key``, run once (an exception may be the input's:
+    not kept)."""
+    verdict = _VERDICTS.get(key)
+    if verdict is None:
+        verdict = probe()
+        if isinstance(verdict, tuple) or not verdict.startswith("the probe raised"):
+            _VERDICTS[key] = verdict
+    return verdict
+
+
 def fuse(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Fuse every DeepSeek-structured MLA attention of ``model``. Returns the layers it fused
-    now; :func:`outcome` says, per class, what happened."""
+    """Fuse every DeepSeek-structured MLA attention of ``model``: its whole forward, or where
+    that does not reproduce the layer (a DSA indexer, another output) its ``expand_kv`` alone.
+    Returns the layers it fused now; :func:`outcome` says, per class, what happened."""
     fused: list[torch.nn.Module] = []
     with _LOCK:
         for module in model.modules():
             if not hasattr(module, "kv_a_proj_with_mqa") or _ORIGINAL in module.__dict__:
+                continue
+            if _KEY_VALUE_ONLY in module.__dict__:
                 continue
             why = _structure(module)
             if not why and "forward" in module.__dict__:
@@ -367,26 +469,35 @@ def fuse(model: torch.nn.Module) -> list[torch.nn.Module]:
                 module.__dict__[_REFUSED] = why
                 continue
             key = _settings(module)
-            verdict = _VERDICTS.get(key)
-            if verdict is None:
-                verdict = _probe(module, module.forward)
-                if isinstance(verdict, tuple) or not verdict.startswith("the probe raised"):
-                    _VERDICTS[key] = verdict  # an exception may be the input's: not cached
-            if isinstance(verdict, tuple):
+            unrun = _unrun_submodules(module)
+            if unrun:
+                whole = f"the fused forward would not run {', '.join(unrun)}"
+            else:
+                whole = _verdict(key, lambda m=module: _probe_whole(m, m.forward))
+            if isinstance(whole, tuple):
                 module.__dict__[_ORIGINAL] = original = module.forward
                 module.forward = functools.partial(
-                    fused_forward, module, original, verdict[0], _positional_names(original)
+                    fused_forward, module, original, whole[0], _positional_names(original)
                 )
                 module.__dict__.pop(_REFUSED, None)
                 fused.append(module)
+                continue
+            kv = _verdict((*key, "expand_kv"), lambda m=module: _probe_key_value(m, m.forward))
+            if isinstance(kv, tuple):
+                module.__dict__["expand_kv"] = functools.partial(
+                    fused_expand_kv, module, module.expand_kv
+                )
+                module.__dict__[_KEY_VALUE_ONLY] = whole
+                module.__dict__.pop(_REFUSED, None)
+                fused.append(module)
             else:
-                module.__dict__[_REFUSED] = verdict
+                module.__dict__[_REFUSED] = f"{whole}; key and value alone: {kv}"
     return fused
 
 
 def outcome(model: torch.nn.Module) -> dict[str, str]:
-    """Per attention class of ``model`` (one with a ``kv_a_proj_with_mqa``): ``"fused"`` or
-    ``"not fused: why"``."""
+    """Per attention class of ``model`` (one with a ``kv_a_proj_with_mqa``): ``"fused"``,
+    ``"key and value fused; the whole forward not: why"`` or ``"not fused: why"``."""
     found: dict[str, str] = {}
     for module in model.modules():
         if not hasattr(module, "kv_a_proj_with_mqa"):
@@ -394,17 +505,25 @@ def outcome(model: torch.nn.Module) -> dict[str, str]:
         name = type(module).__name__
         if _ORIGINAL in module.__dict__:
             found[name] = "fused"
+        elif _KEY_VALUE_ONLY in module.__dict__:
+            found[name] = (
+                f"key and value fused; the whole forward not: {module.__dict__[_KEY_VALUE_ONLY]}"
+            )
         else:
             found.setdefault(name, f"not fused: {module.__dict__.get(_REFUSED, 'not asked')}")
     return found
 
 
 def unfuse(model: torch.nn.Module) -> int:
-    """Give every fused attention of ``model`` its own forward back; returns how many."""
+    """Give every fused attention of ``model`` its own forward (or ``expand_kv``) back; returns
+    how many."""
     count = 0
     with _LOCK:
         for module in model.modules():
             module.__dict__.pop(_REFUSED, None)
+            if module.__dict__.pop(_KEY_VALUE_ONLY, None) is not None:
+                module.__dict__.pop("expand_kv", None)  # only one whose class method ran is fused
+                count += 1
             if module.__dict__.pop(_ORIGINAL, None) is None:
                 continue
             module.__dict__.pop("forward", None)  # only a layer whose class forward ran is fused
