@@ -275,22 +275,104 @@ def test_a_dsa_layer_has_its_key_and_value_fused(device, op_calls):
 
 
 @needs_v32
-def test_a_dsa_layer_is_not_fused_whole_even_where_the_probe_agrees(device, monkeypatch):
-    """A probe of five tokens need not see the indexer's mask (with ``index_topk`` above the
-    probe's length it masks nothing), so a whole fused forward could pass it and be wrong on
-    long sequences: the structure rule (a submodule with parameters the fused forward would
-    not run) refuses before the probe, even a probe that agrees."""
+def test_a_dsa_layer_is_not_fused_whole_even_where_the_probe_agrees(device):
+    """A probe of five tokens need not see the indexer's mask: a DeepSeek-V3.2 layer rotating
+    interleaved with ``index_topk = 6`` passes the whole forward's probe (its top-k keeps all
+    five tokens), and fused whole its logits at 12 tokens were 0.21 off (found by review, with
+    the structure rule removed). The rule (a parameterised submodule the fused forward would
+    not run) refuses before the probe; the key and value alone are fused, and the model is
+    transformers' where the indexer masks."""
     from mlarope.integrations.transformers import _attention
 
-    monkeypatch.setattr(_attention, "_probe_whole", lambda module, original: ("cos_sin",))
-    model = v32_model(device, index_topk=2048)
+    model = v32_model(device, index_topk=6)
+    model.config.rope_interleave = True
+    layer = model.model.layers[0].self_attn
+    assert _attention._probe_whole(layer, layer.forward) == ("cos_sin",)  # the blind spot
+    ids = torch.randint(3, 60, (1, 12), device=device)
+    want = model(ids).logits
     (verdict,) = mt.apply_mlarope_attention(model).values()
     assert verdict == (
         "key and value fused; the whole forward not: the fused forward would not run indexer"
     ), verdict
+    got = model(ids).logits
+    assert float((got - want).detach().norm() / want.detach().norm()) < 1e-5
 
 
-def test_a_class_that_computes_otherwise_is_not_fused(device):
+@needs_v32
+def test_the_key_value_path_under_autocast(device):
+    """Under ``torch.autocast`` ``kv_b_proj`` gives bf16 while ``k_rot``, rotated by fp32
+    tables, is fp32: the key takes the key's dtype, as transformers' ``copy_`` into it casts
+    (found by review: the key/value op refused the mixed dtypes); ``expand_kv`` itself, with
+    each mixed pair, gives transformers' dtypes and values exactly."""
+    from mlarope.integrations.transformers import _attention
+
+    model = v32_model(device)
+    ids = torch.randint(3, 60, (2, 8), device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        want = model(ids).logits
+        assert mt.apply_mlarope_attention(model)["DeepseekV32Attention"].startswith("key and")
+        got = model(ids).logits
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 2.0**-6
+    layer = model.model.layers[0].self_attn
+    pairs = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+    for kv_dtype, rot_dtype in pairs:
+        layer.to(kv_dtype)
+        kv_nope = torch.randn(2, 1, 7, 32, dtype=kv_dtype, device=device)
+        k_rot = torch.randn(2, 1, 7, 32, dtype=rot_dtype, device=device)
+        theirs = type(layer).expand_kv(layer, kv_nope, k_rot)
+        ours = _attention.fused_expand_kv(layer, layer.expand_kv, kv_nope, k_rot)
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_v32
+def test_a_layer_with_an_expand_kv_of_its_own_keeps_it(device):
+    """A wrapper set on one layer's ``expand_kv`` is neither replaced nor removed by revert, in
+    either order of fusing a clean model and the wrapped one (found by review: the refusal was
+    cached with the class's verdict, so the order decided), and the report says which layers
+    of the class ended how."""
+    clean = v32_model(device)
+    wrapped = v32_model(device)
+    layer = wrapped.model.layers[0].self_attn
+    inner = layer.expand_kv
+
+    def scaled(kv_nope, k_rot):
+        k, v = inner(kv_nope, k_rot)
+        return k, 1.5 * v
+
+    layer.expand_kv = scaled
+    for first, second in ((clean, wrapped), (wrapped, clean)):
+        mt.apply_mlarope_attention(first)
+        mt.apply_mlarope_attention(second)
+        assert layer.expand_kv is scaled
+        assert "expand_kv" in clean.model.layers[0].self_attn.__dict__  # fused
+        (report,) = mt.apply_mlarope_attention(wrapped).values()
+        assert report.startswith("1 layer: not fused:") and "an expand_kv of its own" in report
+        assert "| 1 layer: key and value fused" in report, report
+        mt.revert_mlarope_attention(first)
+        mt.revert_mlarope_attention(second)
+        assert layer.expand_kv is scaled
+
+
+@pytest.mark.parametrize(
+    "make_model",
+    [pytest.param(v2_model, marks=needs_v2), pytest.param(v32_model, marks=needs_v32)],
+    ids=["v2", "v32-key_value"],
+)
+def test_decoding_with_a_kv_cache_v2_and_key_value_only(device, op_calls, make_model):
+    """Greedy decoding with a KV cache gives transformers' tokens for the fused V2 layer and for
+    a key/value-only DSA layer, the key/value op running at every step."""
+    model = make_model(device).eval()
+    ids = torch.randint(3, 60, (1, 5), device=device)
+    greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **greedy)
+    mt.apply_mlarope_attention(model)
+    op_calls["apply_rope_kv"] = 0  # the probe's calls
+    assert torch.equal(model.generate(ids, **greedy), want)
+    assert op_calls["apply_rope_kv"] == 8  # 4 forwards x 2 layers
+
+
+def test_a_class_that_computes_otherwise_keeps_its_forward(device):
     """Found by what it computes: an attention of the same structure whose forward scales its
     output keeps its forward, with the reason (its ``expand_kv`` is fused: the probe of that
     alone agrees), and the model computes what it did."""

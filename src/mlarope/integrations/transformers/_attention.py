@@ -32,7 +32,9 @@ mlarope rotates them interleaved in and out, by the tables ``(re, re)`` and ``(i
 families order their forward's parameters differently, so a call is bound by the names of the
 layer's own forward. A KV cache keeps what transformers' attention
 keeps (the latent and the rotated ``k_pe``); calls the fused path does not take (tables that
-require grad, other shapes or positional arguments) run the attention's own forward.
+require grad, other shapes, arguments that do not bind to the layer's own forward) run that
+forward. The probe runs once per class and instance settings (every plain attribute, the layer
+index among them: a family may compute otherwise by layer).
 """
 
 from __future__ import annotations
@@ -291,6 +293,9 @@ def _key_value(
     kv = kv.view(batch, keys, heads, nope + module.v_head_dim)
     one, zero = _identity(kv.device, rope)
     at_zero = torch.zeros(batch, keys, dtype=torch.int32, device=kv.device)
+    # In the key's dtype, as transformers' copy_ into the key casts it (under autocast kv_b_proj
+    # gives bf16 while k_pe, rotated by fp32 tables, is fp32); a no-op where they agree.
+    k_pe = k_pe.to(device=kv.device, dtype=kv.dtype)
     return mlarope.apply_rope_kv(
         kv, k_pe.reshape(batch, keys, 1, rope), one, zero, k_dim=nope, layout="bshd",
         position_ids=at_zero, interleaved=False,
@@ -301,7 +306,8 @@ def fused_expand_kv(module, original, kv_nope, k_rot):
     """The attention's ``expand_kv(kv_nope: [B, 1, T, L], k_rot: [B, 1, T, R])`` -> key
     ``[B, H, T, N + R]`` and value ``[B, H, T, V]`` through the key/value op, for a layer whose
     whole forward is not fused (the key/value-only path): no key assembled in a new tensor and
-    no head sum of ``k_rot``'s gradient in PyTorch. Other arguments go to ``original``."""
+    no head sum of ``k_rot``'s gradient in PyTorch. Arguments of other shapes go to
+    ``original``, the layer's own ``expand_kv``."""
     latent_dim, rope = module.kv_lora_rank, module.qk_rope_head_dim
     if not (
         isinstance(kv_nope, torch.Tensor)
@@ -376,7 +382,7 @@ def _probe(
         finally:
             module.train(training)
         return _compare(got, theirs, x.dtype) or (form,)
-    return "the probe raised: the layer's own forward takes no form of position embeddings (" + (
+    return "the probe raised: the layer's own forward refused every probe call (" + (
         "; ".join(refused) + ")"
     )
 
@@ -400,10 +406,6 @@ def _probe_key_value(module: torch.nn.Module, original: Callable) -> str | tuple
         finally:
             del module.__dict__["expand_kv"]
 
-    if not callable(getattr(type(module), "expand_kv", None)):
-        return "no expand_kv method"
-    if "expand_kv" in module.__dict__:
-        return "the layer has an expand_kv of its own (an instance attribute)"
     return _probe(module, original, ours)
 
 
@@ -482,7 +484,13 @@ def fuse(model: torch.nn.Module) -> list[torch.nn.Module]:
                 module.__dict__.pop(_REFUSED, None)
                 fused.append(module)
                 continue
-            kv = _verdict((*key, "expand_kv"), lambda m=module: _probe_key_value(m, m.forward))
+            if not callable(getattr(type(module), "expand_kv", None)):
+                kv = "no expand_kv method"
+            elif "expand_kv" in module.__dict__:
+                # Somebody's wrapper, as for forward above: not the class's, not replaced.
+                kv = "the layer has an expand_kv of its own (an instance attribute)"
+            else:
+                kv = _verdict((*key, "expand_kv"), lambda m=module: _probe_key_value(m, m.forward))
             if isinstance(kv, tuple):
                 module.__dict__["expand_kv"] = functools.partial(
                     fused_expand_kv, module, module.expand_kv
@@ -497,21 +505,27 @@ def fuse(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def outcome(model: torch.nn.Module) -> dict[str, str]:
     """Per attention class of ``model`` (one with a ``kv_a_proj_with_mqa``): ``"fused"``,
-    ``"key and value fused; the whole forward not: why"`` or ``"not fused: why"``."""
-    found: dict[str, str] = {}
+    ``"key and value fused; the whole forward not: why"`` or ``"not fused: why"``; where the
+    layers of one class ended differently, each outcome with its count of layers
+    (``"2 layers: fused | 1 layer: not fused: why"``)."""
+    per_class: dict[str, dict[str, int]] = {}
     for module in model.modules():
         if not hasattr(module, "kv_a_proj_with_mqa"):
             continue
-        name = type(module).__name__
         if _ORIGINAL in module.__dict__:
-            found[name] = "fused"
+            this = "fused"
         elif _KEY_VALUE_ONLY in module.__dict__:
-            found[name] = (
-                f"key and value fused; the whole forward not: {module.__dict__[_KEY_VALUE_ONLY]}"
-            )
+            this = f"key and value fused; the whole forward not: {module.__dict__[_KEY_VALUE_ONLY]}"
         else:
-            found.setdefault(name, f"not fused: {module.__dict__.get(_REFUSED, 'not asked')}")
-    return found
+            this = f"not fused: {module.__dict__.get(_REFUSED, 'not asked')}"
+        counts = per_class.setdefault(type(module).__name__, {})
+        counts[this] = counts.get(this, 0) + 1
+    return {
+        name: next(iter(counts))
+        if len(counts) == 1
+        else " | ".join(f"{n} layer{'s' * (n > 1)}: {text}" for text, n in counts.items())
+        for name, counts in per_class.items()
+    }
 
 
 def unfuse(model: torch.nn.Module) -> int:
@@ -522,7 +536,9 @@ def unfuse(model: torch.nn.Module) -> int:
         for module in model.modules():
             module.__dict__.pop(_REFUSED, None)
             if module.__dict__.pop(_KEY_VALUE_ONLY, None) is not None:
-                module.__dict__.pop("expand_kv", None)  # only one whose class method ran is fused
+                installed = module.__dict__.get("expand_kv")
+                if getattr(installed, "func", None) is fused_expand_kv:
+                    del module.__dict__["expand_kv"]
                 count += 1
             if module.__dict__.pop(_ORIGINAL, None) is None:
                 continue
