@@ -522,3 +522,19 @@ def test_a_fused_layer_compiles_whole(device, op_calls):
     assert len(compiled_grads) == len(eager_grads)
     for a, b in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_layer_whose_forward_needs_position_ids_is_left_alone(device):
+    """Mistral4 scales its query by position past ``original_max_position_embeddings``: a probe
+    at positions 0-4 would pass a whole fused forward without the scale, so the probe passes no
+    ``position_ids`` and a forward that needs them keeps its own (docs/transformers.md)."""
+    from benchmarks.transformers_layers import build
+
+    try:
+        _, attention, *_ = build("mistral4", device, 8, tiny=True)
+    except (KeyError, ImportError, ValueError) as exc:  # a transformers without Mistral4
+        pytest.skip(f"no Mistral4 model here: {exc}")
+    (verdict,) = mt.apply_mlarope_attention(attention).values()
+    assert verdict.startswith("not fused:") and "position_ids" in verdict, verdict
+    assert all("forward" not in m.__dict__ and "expand_kv" not in m.__dict__
+               for m in attention.modules())  # fmt: skip
