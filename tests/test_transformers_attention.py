@@ -61,35 +61,43 @@ def op_calls(monkeypatch):
     return calls
 
 
+def _fused_against_transformers(device, model, op_calls):
+    """Fuse ``model`` and a float64 copy and check both against transformers: the logits and
+    every parameter's gradient within the rounding-noise bound (``noise_bounds``: the fp32
+    model's own measured error, doubled). The float64 model fused runs mlarope's PyTorch
+    reference; transformers' RMSNorm computes in fp32 even there (its forward casts), the latent
+    op in the input's precision, so the float64 models differ by the norm's fp32 rounding: the
+    fp32 bound. Returns the outcome report and the op calls of the fused fp32 run."""
+    model64 = copy.deepcopy(model).double()
+    ids = torch.randint(0, 64, (BATCH, SEQ), device=device)
+    orig32, orig64 = run_model(model, ids, None), run_model(model64, ids, None)
+    bounds = noise_bounds(orig32, orig64)
+    report = mt.apply_mlarope_attention(model)
+    for name in op_calls:
+        op_calls[name] = 0  # the probe's calls
+    fused = run_model(model, ids, None)
+    calls = dict(op_calls)
+    assert fused.keys() == orig32.keys()
+    for name, bound in bounds.items():
+        err = float((fused[name].double() - orig32[name].double()).abs().max())
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
+    mt.apply_mlarope_attention(model64)
+    fused64 = run_model(model64, ids, None)
+    for name, bound in bounds.items():
+        err = float((fused64[name] - orig64[name]).abs().max())
+        assert err <= bound, f"float64 {name}: {err:.3e} > {bound:.3e}"
+    return report, calls
+
+
 @pytest.mark.parametrize(
     "rope_interleave, heads, q_lora_rank", [(True, 3, 32), (False, 4, None)],
     ids=["interleave-q_lora", "half_split-q_proj"],
 )  # fmt: skip
 def test_fused_model_matches_transformers(device, op_calls, rope_interleave, heads, q_lora_rank):
     model = v3_model(device, rope_interleave=rope_interleave, heads=heads, q_lora_rank=q_lora_rank)
-    model64 = copy.deepcopy(model).double()
-    ids = torch.randint(0, 64, (BATCH, SEQ), device=device)
-    orig32, orig64 = run_model(model, ids, None), run_model(model64, ids, None)
-    bounds = noise_bounds(orig32, orig64)
-
-    assert mt.apply_mlarope_attention(model) == {"DeepseekV3Attention": "fused"}
-    for name in op_calls:
-        op_calls[name] = 0  # the probe's calls
-    fused = run_model(model, ids, None)
-    assert op_calls == {"apply_rope_q": 2, "rmsnorm_rope_latent": 2, "apply_rope_kv": 2}
-    assert fused.keys() == orig32.keys()
-    for name, bound in bounds.items():
-        err = float((fused[name].double() - orig32[name].double()).abs().max())
-        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
-    # The float64 model fused runs mlarope's PyTorch reference. transformers' RMSNorm computes
-    # in fp32 even in a float64 model (its forward casts to fp32), the latent op in the input's
-    # precision, so the two float64 models differ by the norm's fp32 rounding: the fp32 bound.
-    mt.apply_mlarope_attention(model64)
-    fused64 = run_model(model64, ids, None)
-    for name, bound in bounds.items():
-        err = float((fused64[name] - orig64[name]).abs().max())
-        assert err <= bound, f"float64 {name}: {err:.3e} > {bound:.3e}"
-
+    report, calls = _fused_against_transformers(device, model, op_calls)
+    assert report == {"DeepseekV3Attention": "fused"}
+    assert calls == {"apply_rope_q": 2, "rmsnorm_rope_latent": 2, "apply_rope_kv": 2}
     mt.revert_mlarope_attention(model)
     assert all("forward" not in m.__dict__ for m in model.modules())
 
@@ -188,23 +196,9 @@ def test_a_fused_v2_model_matches_transformers(device, op_calls):
     logits and every gradient are transformers' within the rounding-noise bound (fp32; the
     float64 model through the reference); no q- or k-sized copy is made."""
     model = v2_model(device)
-    model64 = copy.deepcopy(model).double()
-    ids = torch.randint(0, 64, (BATCH, SEQ), device=device)
-    orig32, orig64 = run_model(model, ids, None), run_model(model64, ids, None)
-    bounds = noise_bounds(orig32, orig64)
-    assert mt.apply_mlarope_attention(model) == {"DeepseekV2Attention": "fused"}
-    for name in op_calls:
-        op_calls[name] = 0  # the probe's calls
-    fused = run_model(model, ids, None)
-    assert op_calls == {"apply_rope_q": 2, "rmsnorm_rope_latent": 2, "apply_rope_kv": 2}
-    for name, bound in bounds.items():
-        err = float((fused[name].double() - orig32[name].double()).abs().max())
-        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
-    mt.apply_mlarope_attention(model64)
-    fused64 = run_model(model64, ids, None)
-    for name, bound in bounds.items():
-        err = float((fused64[name] - orig64[name]).abs().max())
-        assert err <= bound, f"float64 {name}: {err:.3e} > {bound:.3e}"
+    report, calls = _fused_against_transformers(device, model, op_calls)
+    assert report == {"DeepseekV2Attention": "fused"}
+    assert calls == {"apply_rope_q": 2, "rmsnorm_rope_latent": 2, "apply_rope_kv": 2}
     mt.revert_mlarope_attention(model)
 
     unfused = _one_layer_copies(device, fuse=False, make_model=v2_model)
@@ -243,26 +237,13 @@ def test_a_dsa_layer_has_its_key_and_value_fused(device, op_calls):
     transformers' within the rounding-noise bound (fp32 and float64); its forward and backward
     assemble no key (the query's glue stays)."""
     model = v32_model(device)
-    model64 = copy.deepcopy(model).double()
-    ids = torch.randint(0, 64, (BATCH, SEQ), device=device)
-    orig32, orig64 = run_model(model, ids, None), run_model(model64, ids, None)
-    bounds = noise_bounds(orig32, orig64)
-    (verdict,) = mt.apply_mlarope_attention(model).values()
-    assert verdict == (
-        "key and value fused; the whole forward not: the fused forward would not run indexer"
-    ), verdict
-    for name in op_calls:
-        op_calls[name] = 0  # the probe's calls
-    fused = run_model(model, ids, None)
-    assert op_calls["apply_rope_kv"] == 2 and op_calls["rmsnorm_rope_latent"] == 0, op_calls
-    for name, bound in bounds.items():
-        err = float((fused[name].double() - orig32[name].double()).abs().max())
-        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
-    mt.apply_mlarope_attention(model64)
-    fused64 = run_model(model64, ids, None)
-    for name, bound in bounds.items():
-        err = float((fused64[name] - orig64[name]).abs().max())
-        assert err <= bound, f"float64 {name}: {err:.3e} > {bound:.3e}"
+    report, calls = _fused_against_transformers(device, model, op_calls)
+    assert report == {
+        "DeepseekV32Attention": (
+            "key and value fused; the whole forward not: the fused forward would not run indexer"
+        )
+    }
+    assert calls["apply_rope_kv"] == 2 and calls["rmsnorm_rope_latent"] == 0, calls
     mt.revert_mlarope_attention(model)
     assert all("expand_kv" not in m.__dict__ for m in model.modules())
 
@@ -312,7 +293,7 @@ def test_the_key_value_path_under_autocast(device):
         want = model(ids).logits
         assert mt.apply_mlarope_attention(model)["DeepseekV32Attention"].startswith("key and")
         got = model(ids).logits
-    assert float((got.float() - want.float()).norm() / want.float().norm()) < 2.0**-6
+    assert float((got - want).float().detach().norm() / want.float().detach().norm()) < 2.0**-6
     layer = model.model.layers[0].self_attn
     pairs = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
     for kv_dtype, rot_dtype in pairs:
